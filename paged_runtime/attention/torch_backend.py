@@ -1,0 +1,92 @@
+"""Paged attention in plain PyTorch: the CPU path and the oracle for other backends.
+
+Cache layout per layer: ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values,
+each ``[num_blocks * block_size, num_kv_heads, head_dim]``; token ``p`` of a
+request lives in slot ``block_ids[p // block_size] * block_size + p % block_size``.
+
+A step's flat batch puts single-token queries (decodes) first and prompt
+chunks after. Decodes run as one batched, masked attention over gathered
+context; each prompt chunk runs on its own with a causal mask that is
+aligned to the end of its context (earlier chunks and cache hits come first).
+Gather indices and masks are built once per step, not once per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    query_start: int
+    query_len: int
+    # Slots of the whole context (cached prefix + this chunk); None when the
+    # chunk is the whole context, so the fresh K/V are used directly.
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is stored
+    num_decodes: int  # the first num_decodes tokens are one-token queries
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] gather index
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    prefills: list[PrefillChunk]
+
+
+def build_metadata(slot_mapping: torch.Tensor, decode_slots: torch.Tensor | None,
+                   decode_context_lens: torch.Tensor | None, prefills: list[PrefillChunk]) -> AttentionMetadata:
+    decode_mask = None
+    num_decodes = 0
+    if decode_slots is not None:
+        num_decodes = decode_slots.shape[0]
+        positions = torch.arange(decode_slots.shape[1], device=decode_slots.device)
+        decode_mask = (positions[None, :] < decode_context_lens[:, None])[:, None, None, :]
+    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, prefills)
+
+
+def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position context_len - query_len + i) sees keys 0..that position."""
+    return torch.ones(query_len, context_len, dtype=torch.bool, device=device).tril(context_len - query_len)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache.index_copy_(0, meta.slot_mapping, k)
+    value_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        out[:n] = _decode_attention(q[:n], key_cache, value_cache, meta, scale)
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        if chunk.context_slots is None:
+            out[rows] = _attend(q[rows], k[rows], v[rows], None, scale)
+        else:
+            out[rows] = _attend(q[rows], key_cache[chunk.context_slots], value_cache[chunk.context_slots],
+                                chunk.mask, scale)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """One sequence: q [L, H, D], k/v [C, Hkv, D]; causal when mask is None (L == C)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Batched one-token queries over gathered context: q [B, H, D] -> [B, H, D]."""
+    keys = key_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, C, D]
+    values = value_cache[meta.decode_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)

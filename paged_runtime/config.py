@@ -1,0 +1,62 @@
+"""Engine configuration: vLLM's argument names, validated once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a Hugging Face folder, a .gguf file, or None for the embedded default
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a share of free memory
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    device: str = "auto"
+    served_model_name: str | None = None
+    debug_checks: bool = False  # check block-accounting invariants after every step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(requested: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype, with float16 on CPU promoted to bfloat16 (fp16 is slow there)."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested == "auto":
+        dtype = _DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
+        if dtype == torch.float32 and device.type == "cuda":
+            dtype = torch.bfloat16
+        return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
+    if requested not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
+    dtype = _DTYPES[requested]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError("dtype float16 is not supported on CPU; use bfloat16 or float32")
+    return dtype

@@ -1,0 +1,105 @@
+"""The pool of KV-cache blocks and its O(1) LRU free queue.
+
+Invariants:
+- a block's ``ref_count`` is the number of block tables holding it;
+- a block is in the free queue iff its ``ref_count`` is 0;
+- the free queue is LRU: the head is the next block handed out. Freed blocks
+  go to the tail, so recently used ones (and, later, their cached prefixes)
+  survive longest.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_count})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list over ``KVBlock``: O(1) pop, append, remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: no None checks in the hot path
+        self._tail = KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, "block not in free queue"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Owns every block; hands out free ones and takes them back."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue (ref 1)."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            block.block_hash = None
+            block.ref_count = 1
+        return blocks
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the given order (pass tail first)."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

@@ -1,0 +1,59 @@
+"""Turns a user prompt and its parameters into a validated token-level request.
+
+Everything a client can get wrong is caught here with a ``ValueError`` that
+names the problem, before the request reaches the scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_runtime.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+    max_tokens: int
+
+
+class Processor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.vocab_size}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens long, but max_model_len is "
+                             f"{self.max_model_len} (prompt plus at least one output token must fit)")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return ProcessedPrompt(text, token_ids, max_tokens)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._as_ids(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, self._as_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    @staticmethod
+    def _as_ids(ids) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return list(ids)

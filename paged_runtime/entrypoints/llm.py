@@ -1,0 +1,80 @@
+"""Offline batch inference with vLLM's ``LLM`` interface."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from paged_runtime.config import EngineConfig
+from paged_runtime.engine.llm_engine import LLMEngine
+from paged_runtime.engine.processor import PromptType
+from paged_runtime.outputs import RequestOutput
+from paged_runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``LLM(model=path, ...)`` any Llama-family model."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        return self._run(list(zip(prompts, params)), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self._apply_template(c, add_generation_prompt, chat_template_kwargs)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, work: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        # Validate everything first so a bad prompt leaves nothing half-submitted.
+        processed = [self.engine.processor.process(p, sp) for p, sp in work]
+        request_ids = [f"llm-{next(self._ids)}" for _ in work]
+        for request_id, prompt, (_, params) in zip(request_ids, processed, work):
+            self.engine.add_request(request_id, prompt, params)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(work), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while len(finished) < len(work):
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                self.engine.abort_request([r for r in request_ids if r not in finished])
+                raise
+        return [finished[r] for r in request_ids]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return list(params)

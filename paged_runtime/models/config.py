@@ -1,0 +1,74 @@
+"""The model's shape, read from a Hugging Face ``config.json``."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str | None
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{folder} has no config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        num_heads = raw["num_attention_heads"]
+        # transformers 5 folds rope settings into `rope_parameters`; 4.x uses rope_theta/rope_scaling.
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        sliding = raw.get("sliding_window")
+        if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            sliding_window=sliding,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )

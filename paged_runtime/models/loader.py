@@ -1,0 +1,68 @@
+"""From a path (or nothing) to a model with its weights and a tokenizer.
+
+``model`` may be a Hugging Face folder (config.json + *.safetensors +
+tokenizer files), a ``.gguf`` file (converted once into a cached folder), or
+None for the embedded default, SmolLM2-135M-Instruct.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.llama import MODEL_CLASSES, LlamaForCausalLM
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from paged_runtime.models.default_model import default_model_path
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist (weights are never downloaded)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {model!r} is not a .gguf file; pass a folder or a .gguf")
+        return _converted_gguf(path)
+    return path
+
+
+def _converted_gguf(path: Path) -> Path:
+    from paged_runtime.models.default_model import cache_dir
+    from paged_runtime.models.gguf_convert import CONVERTER_VERSION, convert_gguf
+    stat = path.stat()
+    fingerprint = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERTER_VERSION}"
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
+    out = cache_dir() / f"{path.stem}-{key}"
+    return out if (out / "config.json").exists() else convert_gguf(path, out)
+
+
+def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    config = ModelConfig.from_folder(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors weights")
+    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device)
+    loaded = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    loaded.add(model.load_weight(name, f.get_tensor(name)))
+        except SafetensorError as e:
+            raise ValueError(f"corrupt safetensors file {file}: {e}") from e
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ValueError(f"{folder} lacks weights for {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+    return model.eval()
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {folder}: {e}") from e

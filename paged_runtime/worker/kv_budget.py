@@ -1,0 +1,44 @@
+"""How many KV blocks fit: from an explicit byte budget or the memory left after weights."""
+from __future__ import annotations
+
+import torch
+
+from paged_runtime.core.kv_cache_manager import cdiv
+from paged_runtime.models.config import ModelConfig
+
+# On CPU the cache shares RAM with everything else, so take a modest share
+# (vLLM's CPU backend defaults to a fixed 4 GiB for the same reason).
+_CPU_SHARE, _CPU_CAP = 0.3, 4 * 2**30
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return per_token * block_size
+
+
+def free_memory(device: torch.device, utilization: float) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Keep (1 - utilization) of the card for activations and everyone else.
+        return max(0, int(free - (1 - utilization) * total))
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return min(int(available * _CPU_SHARE), _CPU_CAP)
+
+
+def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, budget: int,
+                  max_model_len: int, max_num_seqs: int) -> int:
+    """Blocks that fit in ``budget``, capped at what ``max_num_seqs`` full-length requests can use.
+
+    Raises ValueError when not even one request of ``max_model_len`` fits,
+    naming the largest length that would.
+    """
+    per_block = bytes_per_block(config, block_size, dtype)
+    num_blocks = budget // per_block
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit in the KV cache: {budget} bytes hold "
+            f"{num_blocks} blocks of {block_size} tokens, so the largest max_model_len that fits is "
+            f"{num_blocks * block_size}. Lower max_model_len or give the cache more memory "
+            f"(kv_cache_memory / gpu_memory_utilization).")
+    return min(num_blocks, max_num_seqs * cdiv(max_model_len, block_size))

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny random Llama saved as a real safetensors folder, the embedded SmolLM2.
+
+Every engine a test builds runs with the block-accounting invariant checks on.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from paged_runtime.models.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir):
+    """A 2-layer Llama with GQA, untied head and SmolLM2's tokenizer.
+
+    Weights are drawn with a large std so the top token wins by a clear margin:
+    greedy identity must not hinge on float rounding between near-ties.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         initializer_range=0.25)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, folder / name)
+    return folder
+
+
+def make_llm(model_dir, **kwargs):
+    from paged_runtime import LLM
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("debug_checks", True)
+    return LLM(model=str(model_dir), **kwargs)
+
+
+def assert_idle(llm) -> None:
+    """After a test's requests finish, every block is back in the free queue."""
+    core = llm.engine.core
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache.num_free_blocks == core.num_blocks
+    core.scheduler.check_invariants()
