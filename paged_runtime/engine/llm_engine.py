@@ -26,8 +26,8 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         model_config = ModelConfig.from_folder(self.model_path)
-        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.core = EngineCore(config, self.model_path, model_config)
+        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.max_model_len = self.core.max_model_len
         self.processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)

@@ -1,0 +1,362 @@
+"""Offline throughput: paged_runtime vs Hugging Face transformers on one mixed-length workload.
+
+What it measures
+    A ShareGPT-like workload (fixed seed): prompt and output lengths drawn from
+    lognormal distributions (mean prompt ~160 tokens, mean output ~340, long
+    tails), capped so prompt + output <= max_model_len. Prompts are random
+    token ids from the vocabulary (special ids excluded); every request runs
+    greedy with ``ignore_eos`` so it produces exactly its drawn output length.
+    In one process, same model (the embedded SmolLM2-135M-Instruct) and dtype:
+
+    1. paged_runtime: all requests submitted at once, the engine stepped until
+       it is idle (continuous batching over a paged KV cache);
+    2. transformers, one request at a time (``generate``, greedy,
+       min_new_tokens = max_new_tokens), on the first ``--hf-sample`` requests;
+    3. transformers, static batching: left-padded batches of
+       ``--hf-batch-size`` requests, each running until its longest member
+       ends; only each request's own output tokens count. First
+       ``--hf-batches`` batches only.
+
+    Each system is warmed up with one short generate before it is timed.
+    Throughput is output tokens / wall seconds (``time.perf_counter``). The HF
+    baselines run on subsets to bound the time, so their tok/s is a rate on a
+    different sample of the same workload.
+
+    KV utilization: after every runtime step, token states held (sum of the
+    running requests' computed tokens) / slots in allocated blocks; mean and
+    min over steps. Next to it, what a contiguous engine reserving
+    max_model_len per running sequence would use: states / (running * max_model_len).
+
+How to run
+    make bench          # = HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/throughput.py
+    .venv/bin/python benchmarks/throughput.py --num-requests 32 --hf-sample 2 --hf-batches 1
+    .venv/bin/python benchmarks/throughput.py --dtype float32 --skip-hf
+
+Writes benchmarks/results/throughput-<dtype>.json (and a PNG if matplotlib is
+installed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"vs_hf_single": 30.0, "vs_hf_static": 3.0, "output_tok_s": 600.0, "kv_utilization": 0.97}
+FIRST_ORDINARY_ID = 3  # SmolLM2's special tokens are ids 0..2
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class Result:
+    system: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+# ---- arguments and workload -------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=200, help="requests for the runtime run")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--prompt-mean", type=float, default=160.0)
+    p.add_argument("--output-mean", type=float, default=340.0)
+    p.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--hf-sample", type=int, default=4, help="requests run one at a time by transformers")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="requests per transformers static batch")
+    p.add_argument("--hf-batches", type=int, default=1, help="static batches to run")
+    p.add_argument("--skip-hf", action="store_true", help="runtime only")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/throughput-<dtype>.json)")
+    return p.parse_args(argv)
+
+
+def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
+    """Integer lengths >= 1 whose (uncapped) mean is ``mean``."""
+    mu = np.log(mean) - sigma ** 2 / 2
+    return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(int)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
+    rng = np.random.default_rng(args.seed)
+    n, cap = args.num_requests, args.max_model_len
+    prompt_lens = np.minimum(lognormal_lengths(rng, args.prompt_mean, args.sigma, n), cap // 2)
+    output_lens = np.minimum(lognormal_lengths(rng, args.output_mean, args.sigma, n), cap - prompt_lens)
+    return [Request(rng.integers(FIRST_ORDINARY_ID, vocab_size, int(p)).tolist(), int(o))
+            for p, o in zip(prompt_lens, output_lens)]
+
+
+def workload_summary(work: list[Request]) -> dict:
+    p = np.array([len(r.prompt) for r in work])
+    o = np.array([r.output_len for r in work])
+    stats = lambda a: {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99)),
+                       "max": int(a.max()), "total": int(a.sum())}
+    return {"requests": len(work), "prompt_len": stats(p), "output_len": stats(o)}
+
+
+# ---- paged_runtime --------------------------------------------------------------
+def make_llm(args: argparse.Namespace):
+    from paged_runtime import LLM
+    return LLM(model=None, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=int(args.kv_cache_gib * 2**30),
+               seed=0)
+
+
+def sampling(output_len: int):
+    from paged_runtime import SamplingParams
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+
+class KVTracker:
+    """Per-step KV utilization: held token states over allocated slots (paged) and over max-length reservations."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.paged: list[float] = []
+        self.contiguous: list[float] = []
+
+    def sample(self) -> None:
+        core = self.core
+        running = core.scheduler.running
+        states = sum(r.num_computed_tokens for r in running)
+        slots = (core.num_blocks - core.kv_cache.num_free_blocks) * core.config.block_size
+        if slots:
+            self.paged.append(states / slots)
+        if running:
+            self.contiguous.append(states / (len(running) * core.max_model_len))
+
+    def summary(self) -> dict:
+        describe = lambda xs: {"mean": float(np.mean(xs)), "min": float(np.min(xs))} if xs else None
+        return {"steps": len(self.paged), "paged": describe(self.paged), "contiguous": describe(self.contiguous)}
+
+
+def run_runtime(llm, work: list[Request]) -> tuple[Result, dict]:
+    engine, core = llm.engine, llm.engine.core
+    preempted_before = core.scheduler.num_preemptions
+    tracker = KVTracker(core)
+    produced: dict[str, int] = {}
+    start = time.perf_counter()
+    for i, r in enumerate(work):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt}, sampling(r.output_len))
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+        tracker.sample()
+        steps += 1
+    seconds = time.perf_counter() - start
+    expected = {f"bench-{i}": r.output_len for i, r in enumerate(work)}
+    if produced != expected:
+        raise RuntimeError("runtime produced output lengths other than requested")
+    kv = tracker.summary() | {"engine_steps": steps, "num_blocks": core.num_blocks,
+                              "block_size": core.config.block_size,
+                              "preemptions": core.scheduler.num_preemptions - preempted_before}
+    return Result("paged_runtime", len(work), sum(produced.values()), seconds), kv
+
+
+def warm_up_runtime(llm, vocab_size: int) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(FIRST_ORDINARY_ID, vocab_size, 32).tolist()} for _ in range(4)]
+    llm.generate(prompts, [sampling(8)] * 4, use_tqdm=False)
+
+
+# ---- transformers ------------------------------------------------------------------
+def load_hf(dtype: str):
+    from transformers import AutoModelForCausalLM
+    from paged_runtime.models.default_model import default_model_path
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> torch.Tensor:
+    """Greedy, exactly ``new_tokens`` new tokens per row; prompts left-padded. Returns the new tokens."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, pad_token_id=pad_id)
+    return out[:, width:]
+
+
+def run_hf_single(model, work: list[Request], pad_id: int) -> tuple[Result, list[list[int]]]:
+    outputs = []
+    start = time.perf_counter()
+    for r in work:
+        outputs.append(hf_generate(model, [r.prompt], r.output_len, pad_id)[0].tolist())
+    seconds = time.perf_counter() - start
+    return Result("HF one-at-a-time", len(work), sum(r.output_len for r in work), seconds), outputs
+
+
+def run_hf_static(model, work: list[Request], batch_size: int, pad_id: int) -> Result:
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        batch = work[i:i + batch_size]
+        hf_generate(model, [r.prompt for r in batch], max(r.output_len for r in batch), pad_id)
+    seconds = time.perf_counter() - start
+    return Result(f"HF static batch={batch_size}", len(work), sum(r.output_len for r in work), seconds)
+
+
+def warm_up_hf(model, pad_id: int) -> None:
+    hf_generate(model, [[FIRST_ORDINARY_ID + 7] * 32] * 2, 8, pad_id)
+
+
+def greedy_agreement(runtime_outputs: list[list[int]], hf_outputs: list[list[int]]) -> list[dict]:
+    """Per request: tokens until the first difference between runtime and HF greedy outputs."""
+    rows = []
+    for a, b in zip(runtime_outputs, hf_outputs):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        rows.append({"output_len": len(a), "matching_prefix": same})
+    return rows
+
+
+def runtime_outputs_for(llm, work: list[Request]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": r.prompt} for r in work], [sampling(r.output_len) for r in work],
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ---- reporting -----------------------------------------------------------------------
+def machine_info() -> dict:
+    import transformers
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+def print_table(results: list[Result]) -> None:
+    base = results[0].tok_s
+    header = f"{'system':<24}{'requests':>9}{'out tokens':>12}{'seconds':>10}{'out tok/s':>11}{'vs runtime':>12}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r.system:<24}{r.requests:>9}{r.output_tokens:>12}{r.seconds:>10.1f}{r.tok_s:>11.1f}"
+              f"{r.tok_s / base:>11.3f}x")
+
+
+def verdicts(results: list[Result], kv: dict) -> dict:
+    runtime = results[0]
+    figures = {"output_tok_s": runtime.tok_s, "kv_utilization": kv["paged"]["mean"] if kv["paged"] else None}
+    for r in results[1:]:
+        key = "vs_hf_single" if r.system.startswith("HF one") else "vs_hf_static"
+        figures[key] = runtime.tok_s / r.tok_s
+    return {k: {"value": v, "target": TARGETS[k], "met": v is not None and v >= TARGETS[k]}
+            for k, v in figures.items()}
+
+
+def print_summary(checks: dict, kv: dict) -> None:
+    labels = {"vs_hf_single": "runtime / HF one-at-a-time", "vs_hf_static": "runtime / HF static batching",
+              "output_tok_s": "runtime output tok/s", "kv_utilization": "KV utilization (mean)"}
+    print()
+    for key in ("vs_hf_single", "vs_hf_static", "output_tok_s", "kv_utilization"):
+        if key not in checks:
+            continue
+        c = checks[key]
+        unit = "x" if key.startswith("vs") else ""
+        value, target = (f"{c['value']:.1%}", f"{c['target']:.0%}") if key == "kv_utilization" else \
+            (f"{c['value']:.1f}{unit}", f"{c['target']:g}{unit}")
+        print(f"{labels[key]:<30}{value:>10}   target >= {target:<6} {'met' if c['met'] else 'NOT met'}")
+    paged, contiguous = kv["paged"], kv["contiguous"]
+    if paged:
+        print(f"KV utilization over {kv['steps']} steps: paged mean {paged['mean']:.1%}, min {paged['min']:.1%}; "
+              f"contiguous max_model_len reservation mean {contiguous['mean']:.1%}, min {contiguous['min']:.1%}; "
+              f"preemptions {kv['preemptions']}")
+
+
+def write_png(path: Path, results: list[Result]) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh([r.system for r in results][::-1], [r.tok_s for r in results][::-1])
+    ax.set_xlabel("output tokens / s")
+    ax.set_title(path.stem)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---- main ----------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    llm = make_llm(args)
+    vocab = llm.engine.core.runner.model.config.vocab_size
+    work = make_workload(args, vocab)
+    print(f"workload: {json.dumps(workload_summary(work))}", flush=True)
+
+    warm_up_runtime(llm, vocab)
+    runtime, kv = run_runtime(llm, work)
+    results = [runtime]
+    print(f"paged_runtime: {runtime.output_tokens} tokens in {runtime.seconds:.1f}s", flush=True)
+
+    agreement = None
+    if not args.skip_hf:
+        model = load_hf(args.dtype)
+        pad_id = llm.get_tokenizer().pad_token_id or 0
+        warm_up_hf(model, pad_id)
+        single, hf_outs = run_hf_single(model, work[:args.hf_sample], pad_id)
+        print(f"HF one-at-a-time: {single.output_tokens} tokens in {single.seconds:.1f}s", flush=True)
+        static_work = work[:args.hf_batch_size * args.hf_batches]
+        static = run_hf_static(model, static_work, args.hf_batch_size, pad_id)
+        print(f"HF static: {static.output_tokens} tokens in {static.seconds:.1f}s", flush=True)
+        results += [single, static]
+        agreement = greedy_agreement(runtime_outputs_for(llm, work[:args.hf_sample]), hf_outs)
+
+    print()
+    print_table(results)
+    checks = verdicts(results, kv)
+    print_summary(checks, kv)
+    if agreement:
+        print("greedy agreement runtime vs HF (matching prefix / output len): "
+              + ", ".join(f"{a['matching_prefix']}/{a['output_len']}" for a in agreement))
+
+    out = args.out or RESULTS / f"throughput-{args.dtype}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report = {"machine": machine_info(), "parameters": params, "workload": workload_summary(work),
+              "hf_static_workload": workload_summary(work[:args.hf_batch_size * args.hf_batches]),
+              "results": [vars(r) | {"output_tok_s": r.tok_s, "vs_runtime": r.tok_s / runtime.tok_s}
+                          for r in results],
+              "kv_cache": kv, "targets": checks, "greedy_agreement": agreement,
+              "wall_seconds": time.perf_counter() - started}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    png = write_png(out.with_suffix(".png"), results)
+    print(f"\nwrote {out}" + (f" and {png}" if png else " (no PNG: matplotlib not installed)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Sampler: exact filtering, and empirical frequencies that match the filtered distribution."""
+from __future__ import annotations
+
+import torch
+
+from paged_runtime.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+CHI2_P001_DF = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # critical values at p = 0.001
+
+
+def draw(logits: torch.Tensor, num: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
+         seed: int = 0) -> torch.Tensor:
+    rows = logits.expand(num, -1).clone()
+    meta = SamplingMetadata(
+        temperature=torch.full((num,), temperature),
+        top_k=torch.full((num,), top_k or logits.numel()) if top_k else None,
+        top_p=torch.full((num,), top_p) if top_p < 1 else None,
+        generators=[None] * num, all_greedy=False)
+    return Sampler(torch.Generator().manual_seed(seed))(rows, meta)
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    support = probs > 0
+    assert torch.all(support[samples]), "sampled a token outside the filtered support"
+    counts = torch.bincount(samples, minlength=probs.numel()).double()[support]
+    expected = probs[support].double() * samples.numel()
+    return float(((counts - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+def expected_probs(temperature: float, keep: list[int]) -> torch.Tensor:
+    scaled = LOGITS / temperature
+    mask = torch.full_like(scaled, float("-inf"))
+    mask[keep] = 0
+    return (scaled + mask).softmax(-1)
+
+
+def test_top_k_and_top_p_mask_exactly():
+    logits = LOGITS.expand(3, -1)
+    out = apply_top_k_top_p(logits, torch.tensor([2, 6, 6]), torch.tensor([1.0, 0.8, 1.0]))
+    assert torch.isfinite(out).tolist() == [
+        [True, True, False, False, False, False],
+        # probs 0.557, 0.205, 0.124, 0.075, ...: the smallest set with mass >= 0.8 is the top 3
+        [True, True, True, False, False, False],
+        [True] * 6]
+    assert torch.equal(out[2], LOGITS)
+
+
+def test_temperature_frequencies_match():
+    samples = draw(LOGITS, 40_000, temperature=0.7)
+    stat, df = chi_square(samples, expected_probs(0.7, list(range(6))))
+    assert stat < CHI2_P001_DF[df], stat
+
+
+def test_top_k_frequencies_match():
+    samples = draw(LOGITS, 40_000, temperature=1.3, top_k=3)
+    stat, df = chi_square(samples, expected_probs(1.3, [0, 1, 2]))
+    assert stat < CHI2_P001_DF[df], stat
+
+
+def test_top_p_frequencies_match():
+    samples = draw(LOGITS, 40_000, temperature=1.0, top_p=0.8)
+    stat, df = chi_square(samples, expected_probs(1.0, [0, 1, 2]))
+    assert stat < CHI2_P001_DF[df], stat
+
+
+def test_a_wrong_filter_would_be_caught():
+    # top-k 3 draws checked against a top-4 distribution must fail: the test has teeth.
+    samples = draw(LOGITS, 40_000, temperature=1.0, top_k=3)
+    stat, df = chi_square(samples, expected_probs(1.0, [0, 1, 2, 3]))
+    assert stat > CHI2_P001_DF[df]
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    rows = torch.stack([LOGITS, LOGITS.flip(0)])
+    meta = SamplingMetadata(torch.tensor([0.0, 0.0]), None, None, [None, None], all_greedy=False)
+    assert Sampler(torch.Generator().manual_seed(0))(rows, meta).tolist() == [0, 5]
+
+
+def test_per_row_generators_are_independent_of_neighbours():
+    gen = lambda: torch.Generator().manual_seed(42)
+    alone = Sampler(torch.Generator().manual_seed(0))(
+        LOGITS.expand(1, -1).clone(), SamplingMetadata(torch.ones(1), None, None, [gen()], False))
+    crowd = Sampler(torch.Generator().manual_seed(5))(
+        LOGITS.expand(3, -1).clone(), SamplingMetadata(torch.ones(3), None, None, [None, gen(), None], False))
+    assert crowd[1] == alone[0]

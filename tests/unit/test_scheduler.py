@@ -1,0 +1,95 @@
+"""The unified token-budget scheduler, driven by hand without a model."""
+from __future__ import annotations
+
+from paged_runtime.core.kv_cache_manager import KVCacheManager
+from paged_runtime.core.scheduler import Scheduler
+from paged_runtime.request import Request, RequestStatus
+from paged_runtime.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, num_prompt: int, arrival: int, max_tokens: int = 100, **params) -> Request:
+    return Request(request_id, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=max_tokens, **params),
+                   arrival, max_tokens=max_tokens, eos_token_ids=frozenset({2}))
+
+
+def plan(out) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, [token if s.samples else None for s in out.scheduled])
+    scheduler.check_invariants()
+    return out
+
+
+def test_chunked_prefill_mixes_with_decodes_under_one_budget():
+    scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    scheduler.add_request(make_request("a", 10, 0))
+    scheduler.add_request(make_request("b", 50, 1))
+    assert plan(run_step(scheduler)) == {"a": 10, "b": 22}  # a whole, b's first chunk
+    assert plan(run_step(scheduler)) == {"a": 1, "b": 28}  # a decodes while b finishes its prompt
+    out = run_step(scheduler)
+    assert plan(out) == {"a": 1, "b": 1}
+    a = scheduler.requests["a"]
+    assert a.num_output_tokens == 3 and a.num_computed_tokens == 12
+
+
+def test_max_num_seqs_caps_admission():
+    scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=2, max_num_batched_tokens=1000)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 5, i))
+    assert plan(run_step(scheduler)) == {"r0": 5, "r1": 5}
+    assert scheduler.num_waiting == 1
+
+
+def test_finished_request_slot_is_reused_in_the_next_step():
+    scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=1, max_num_batched_tokens=1000)
+    scheduler.add_request(make_request("short", 5, 0, max_tokens=1))
+    scheduler.add_request(make_request("next", 5, 1))
+    out = run_step(scheduler)
+    assert plan(out) == {"short": 5}
+    assert plan(run_step(scheduler)) == {"next": 5}
+    assert out.scheduled[0].request.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_preemption_frees_the_latest_arrival_and_admits_nothing():
+    # 4 blocks of 4 slots: two requests of 7 tokens take 2 blocks each.
+    scheduler = Scheduler(KVCacheManager(4, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    scheduler.add_request(make_request("old", 7, 0))
+    scheduler.add_request(make_request("new", 7, 1))
+    run_step(scheduler)  # both prefilled: 7 tokens computed, 8 tokens each
+    run_step(scheduler)  # slot 7 still fits in their two blocks
+    assert scheduler.kv_cache.num_free_blocks == 0
+    scheduler.add_request(make_request("later", 2, 2))
+    out = run_step(scheduler)  # each needs slot 8 -> a third block; only "old" can get it
+    assert out.num_preempted == 1 and plan(out) == {"old": 1}
+    new = scheduler.requests["new"]
+    assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0 and new.num_output_tokens == 2
+    assert list(scheduler.waiting)[0] is new  # back at the head of the queue
+    assert scheduler.kv_cache.block_ids("new") == []
+
+
+def test_stop_conditions():
+    scheduler = Scheduler(KVCacheManager(20, 16), max_num_seqs=4, max_num_batched_tokens=100)
+    scheduler.add_request(make_request("eos", 3, 0))
+    scheduler.add_request(make_request("ignore", 3, 1, ignore_eos=True))
+    scheduler.add_request(make_request("stop_id", 3, 2, stop_token_ids=[2, 9]))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, [2, 2, 9])
+    assert [r.status for r in (s.request for s in out.scheduled)] == [
+        RequestStatus.FINISHED_STOPPED, RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED]
+    assert out.scheduled[2].request.stop_reason == 9
+    assert scheduler.schedule().finished_req_ids == ["eos", "stop_id"]
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    kv = KVCacheManager(10, 16)
+    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100)
+    scheduler.add_request(make_request("running", 20, 0))
+    scheduler.add_request(make_request("waiting", 20, 1))
+    run_step(scheduler)
+    assert kv.num_free_blocks == 8
+    scheduler.finish_requests(["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 10 and not scheduler.has_unfinished_requests()
+    scheduler.check_invariants()
