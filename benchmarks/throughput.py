@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-sample", type=int, default=4, help="requests run one at a time by transformers")
     p.add_argument("--hf-batch-size", type=int, default=32, help="requests per transformers static batch")
     p.add_argument("--hf-batches", type=int, default=1, help="static batches to run")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for every system; 0 leaves torch's default (one per core)")
     p.add_argument("--skip-hf", action="store_true", help="runtime only")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/throughput-<dtype>.json)")
     return p.parse_args(argv)
@@ -244,11 +246,12 @@ def runtime_outputs_for(llm, work: list[Request]) -> list[list[int]]:
 
 
 # ---- reporting -----------------------------------------------------------------------
-def machine_info() -> dict:
+def machine_info(load_at_start: float) -> dict:
     import transformers
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+            "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]},
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
@@ -312,6 +315,12 @@ def write_png(path: Path, results: list[Result]) -> Path | None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    if load > 0.75:
+        print(f"warning: 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs before the run; torch's "
+              "thread pool slows down sharply when cores are shared (consider --threads 1)", flush=True)
     llm = make_llm(args)
     vocab = llm.engine.core.runner.model.config.vocab_size
     work = make_workload(args, vocab)
@@ -346,7 +355,7 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / f"throughput-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"machine": machine_info(), "parameters": params, "workload": workload_summary(work),
+    report = {"machine": machine_info(load), "parameters": params, "workload": workload_summary(work),
               "hf_static_workload": workload_summary(work[:args.hf_batch_size * args.hf_batches]),
               "results": [vars(r) | {"output_tok_s": r.tok_s, "vs_runtime": r.tok_s / runtime.tok_s}
                           for r in results],

@@ -4,11 +4,13 @@ Cache layout per layer: ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values,
 each ``[num_blocks * block_size, num_kv_heads, head_dim]``; token ``p`` of a
 request lives in slot ``block_ids[p // block_size] * block_size + p % block_size``.
 
-A step's flat batch puts single-token queries (decodes) first and prompt
-chunks after. Decodes run as one batched, masked attention over gathered
-context; each prompt chunk runs on its own with a causal mask that is
-aligned to the end of its context (earlier chunks and cache hits come first).
-Gather indices and masks are built once per step, not once per layer.
+A step's flat batch puts single-token queries (decodes) first, sorted by
+context length, and prompt chunks after. Decodes run in groups of similar
+length as batched, masked attention over gathered context (grouping keeps
+the padding small when lengths have long tails); each prompt chunk runs on
+its own with a causal mask aligned to the end of its context (earlier chunks
+and cache hits come first). Gather indices and masks are built once per
+step, not once per layer.
 """
 from __future__ import annotations
 
@@ -29,23 +31,25 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    row_start: int
+    slots: torch.Tensor  # [rows, max_context] gather index (padding points at a real slot, masked)
+    mask: torch.Tensor | None  # [rows, 1, 1, max_context] bool, None when all lengths are equal
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is stored
-    num_decodes: int  # the first num_decodes tokens are one-token queries
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] gather index
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    decodes: list[DecodeGroup]  # one-token queries, the first rows of the batch
     prefills: list[PrefillChunk]
 
 
-def build_metadata(slot_mapping: torch.Tensor, decode_slots: torch.Tensor | None,
-                   decode_context_lens: torch.Tensor | None, prefills: list[PrefillChunk]) -> AttentionMetadata:
-    decode_mask = None
-    num_decodes = 0
-    if decode_slots is not None:
-        num_decodes = decode_slots.shape[0]
-        positions = torch.arange(decode_slots.shape[1], device=decode_slots.device)
-        decode_mask = (positions[None, :] < decode_context_lens[:, None])[:, None, None, :]
-    return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, prefills)
+def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor) -> DecodeGroup:
+    mask = None
+    if int(context_lens.min()) != slots.shape[1]:
+        positions = torch.arange(slots.shape[1], device=slots.device)
+        mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    return DecodeGroup(row_start, slots, mask)
 
 
 def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
@@ -60,9 +64,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     key_cache.index_copy_(0, meta.slot_mapping, k)
     value_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    n = meta.num_decodes
-    if n:
-        out[:n] = _decode_attention(q[:n], key_cache, value_cache, meta, scale)
+    for group in meta.decodes:
+        rows = slice(group.row_start, group.row_start + group.slots.shape[0])
+        out[rows] = _decode_attention(q[rows], key_cache, value_cache, group, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.context_slots is None:
@@ -83,10 +87,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      group: DecodeGroup, scale: float) -> torch.Tensor:
     """Batched one-token queries over gathered context: q [B, H, D] -> [B, H, D]."""
-    keys = key_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, C, D]
-    values = value_cache[meta.decode_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+    keys = key_cache[group.slots].transpose(1, 2)  # [B, Hkv, C, D]
+    values = value_cache[group.slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=group.mask,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)

@@ -10,10 +10,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_runtime.attention.torch_backend import PrefillChunk, build_metadata, causal_mask
+from paged_runtime.attention.torch_backend import AttentionMetadata, PrefillChunk, causal_mask, decode_group
 from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.sample.sampler import Sampler, SamplingMetadata
+
+
+# Decodes are attended in groups of this many rows (sorted by length), so one
+# long context does not pad everyone else's gather to its length.
+DECODE_GROUP_SIZE = 32
 
 
 class ModelRunner:
@@ -32,8 +37,9 @@ class ModelRunner:
         """Returns, in the scheduler's order, the sampled token or None for a partial prompt chunk."""
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
-        # Decodes first so the attention layer can batch them as one block of rows.
-        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens > 1)
+        # Decodes first, shortest context first, so attention can batch neighbours of similar length.
+        order = sorted(range(len(out.scheduled)),
+                       key=lambda i: (out.scheduled[i].num_new_tokens > 1, out.scheduled[i].start))
         items = [out.scheduled[i] for i in order]
         input_ids, positions, meta = self._prepare_inputs(items)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -56,9 +62,9 @@ class ModelRunner:
         decodes = [s for s in items if s.num_new_tokens == 1]
         prefills = items[len(decodes):]
         ids, pos, slots = [], [], []
-        decode_slots = decode_lens = None
+        groups = []
         if decodes:
-            d_ids, d_pos, d_slots, decode_slots, decode_lens = self._decode_inputs(decodes)
+            d_ids, d_pos, d_slots, groups = self._decode_inputs(decodes)
             ids.append(d_ids), pos.append(d_pos), slots.append(d_slots)
         chunks = []
         start = len(decodes)
@@ -71,9 +77,7 @@ class ModelRunner:
             chunks.append(self._prefill_chunk(start, s, table))
             start += s.num_new_tokens
         to = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int64)).to(self.device)
-        slot_mapping = to(slots)
-        meta = build_metadata(slot_mapping, decode_slots, decode_lens, chunks)
-        return to(ids), to(pos), meta
+        return to(ids), to(pos), AttentionMetadata(to(slots), groups, chunks)
 
     def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[..., positions // self.block_size] * self.block_size + positions % self.block_size
@@ -87,10 +91,13 @@ class ModelRunner:
             row[:len(s.block_ids)] = s.block_ids
         rows = np.arange(len(decodes))
         slots = tables[rows, starts // self.block_size] * self.block_size + starts % self.block_size
-        context = np.arange(int(starts.max()) + 1)
-        gather = tables[:, context // self.block_size] * self.block_size + context % self.block_size
-        t = lambda a: torch.from_numpy(a).to(self.device)
-        return token_ids, starts, slots, t(gather), t(starts + 1)
+        groups = []
+        for first in range(0, len(decodes), DECODE_GROUP_SIZE):
+            lens = starts[first:first + DECODE_GROUP_SIZE] + 1  # sorted ascending: the last is the longest
+            gather = self._slots(tables[first:first + DECODE_GROUP_SIZE], np.arange(int(lens[-1])))
+            groups.append(decode_group(first, torch.from_numpy(gather).to(self.device),
+                                       torch.from_numpy(lens).to(self.device)))
+        return token_ids, starts, slots, groups
 
     def _prefill_chunk(self, query_start: int, s: ScheduledRequest, table: np.ndarray) -> PrefillChunk:
         if s.start == 0:
