@@ -19,6 +19,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     device: str = "auto"
+    enable_prefix_caching: bool = True
     served_model_name: str | None = None
     debug_checks: bool = False  # check block-accounting invariants after every step
 

@@ -38,11 +38,14 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
     priority: int = 0
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of each full block of all_token_ids
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

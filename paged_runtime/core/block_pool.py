@@ -4,8 +4,10 @@ Invariants:
 - a block's ``ref_count`` is the number of block tables holding it;
 - a block is in the free queue iff its ``ref_count`` is 0;
 - the free queue is LRU: the head is the next block handed out. Freed blocks
-  go to the tail, so recently used ones (and, later, their cached prefixes)
-  survive longest.
+  go to the tail, so recently used ones (and their cached prefixes) survive
+  longest;
+- a block with a hash is findable in ``cached`` until it is handed out again:
+  a freed block keeps its KV and its hash, which is what the prefix cache is.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}  # block hash -> the block holding that KV
 
     @property
     def num_blocks(self) -> int:
@@ -89,9 +92,33 @@ class BlockPool:
             raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
         blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
         for block in blocks:
-            block.block_hash = None
+            self._evict(block)
             block.ref_count = 1
         return blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on (cached) blocks, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Make a full, written block findable by its hash (the first holder of a hash wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def reset_cache(self) -> None:
+        """Forget every hash; blocks in use keep their KV, cached free blocks become plain free ones."""
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the given order (pass tail first)."""

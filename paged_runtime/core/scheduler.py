@@ -42,6 +42,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     num_preempted: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the forward
     # Requests that left the engine since the last step: the runner drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
 
@@ -113,16 +114,21 @@ class Scheduler:
         if num_preempted == 0:
             budget = self._admit_waiting(budget, scheduled)
         out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted,
-                              self._finished_req_ids)
+                              self.kv_cache.take_pending_copies(), self._finished_req_ids)
         self._finished_req_ids = []
         return out
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new):
+            hits = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - len(hits) * self.kv_cache.block_size, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
                 break
+            self.kv_cache.record_prefix_query(request, len(hits))
+            request.num_computed_tokens = len(hits) * self.kv_cache.block_size
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_order_key)
@@ -163,6 +169,7 @@ class Scheduler:
         for item, token_id in zip(output.scheduled, sampled_token_ids):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_computed_blocks(request)
             if token_id is None:
                 continue
             request.append_token(token_id)

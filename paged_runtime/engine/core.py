@@ -43,7 +43,7 @@ class EngineCore:
         budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
         self.num_blocks = num_kv_blocks(model_config, config.block_size, self.dtype, budget,
                                         self.max_model_len, config.max_num_seqs)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed)
         self.last_stats: StepStats | None = None
@@ -58,6 +58,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
 
     def step(self) -> list[Request]:
         out = self.scheduler.schedule()

@@ -35,13 +35,13 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request; a prompt already validated by ``self.processor`` is taken as it is."""
         if request_id in self.detokenizers:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt, params)
         request = Request(request_id, processed.token_ids, params, next(self._arrivals), processed.max_tokens,
-                          self.eos_token_ids, processed.prompt, priority)
+                          self.eos_token_ids, processed.prompt, priority, cache_salt)
         self.core.add_request(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, processed.token_ids, params)
 
@@ -72,7 +72,7 @@ class LLMEngine:
         completion = CompletionOutput(0, detok.text, list(request.output_token_ids), request.finish_reason,
                                       request.stop_reason)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
-                             delta_text=detok.take_delta(finished), delta_token_ids=[token_id])
+                             num_cached_tokens=max(0, request.num_cached_tokens), delta_text=detok.take_delta(finished), delta_token_ids=[token_id])
 
 
 def _eos_token_ids(tokenizer, model_path: Path, model_config: ModelConfig) -> frozenset[int]:

@@ -37,6 +37,8 @@ class ModelRunner:
         """Returns, in the scheduler's order, the sampled token or None for a partial prompt chunk."""
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         # Decodes first, shortest context first, so attention can batch neighbours of similar length.
         order = sorted(range(len(out.scheduled)),
                        key=lambda i: (out.scheduled[i].num_new_tokens > 1, out.scheduled[i].start))
@@ -56,6 +58,14 @@ class ModelRunner:
         for k, i in enumerate(order):
             result[i] = tokens[k]
         return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give each (src, dst) pair's dst block the KV of src, in every layer."""
+        offsets = np.arange(self.block_size)
+        src, dst = (torch.from_numpy((np.asarray(b)[:, None] * self.block_size + offsets).ravel()).to(self.device)
+                    for b in zip(*copies))
+        for kv_cache in self.kv_caches:
+            kv_cache[:, dst] = kv_cache[:, src]
 
     # ---- inputs ------------------------------------------------------------------
     def _prepare_inputs(self, items: list[ScheduledRequest]):

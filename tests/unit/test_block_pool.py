@@ -59,11 +59,9 @@ def test_ref_counts_and_double_free():
 def test_manager_allocates_exact_block_counts():
     kv = KVCacheManager(num_blocks=10, block_size=16)
     request = make_request("a", 40)
-    assert kv.num_blocks_needed(request, 40) == 3  # ceil(40 / 16)
-    assert kv.allocate_slots(request, 40)
+    assert kv.allocate_slots(request, 40) and kv.num_free_blocks == 7  # ceil(40 / 16) = 3
     request.num_computed_tokens = 40
-    assert kv.num_blocks_needed(request, 8) == 0  # 48 slots fit in 3 blocks
-    assert kv.num_blocks_needed(request, 9) == 1
+    assert kv.allocate_slots(request, 8) and kv.num_free_blocks == 7  # 48 slots fit in 3 blocks
     assert kv.allocate_slots(request, 9) and kv.block_ids("a") == [0, 1, 2, 3]
     assert kv.num_free_blocks == 6
     kv.check_invariants([request])
