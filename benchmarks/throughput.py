@@ -76,7 +76,7 @@ class Result:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=200, help="requests for the runtime run")
+    p.add_argument("--num-requests", type=int, default=128, help="requests for the runtime run")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt-mean", type=float, default=160.0)
@@ -155,11 +155,12 @@ class KVTracker:
         return {"steps": len(self.paged), "paged": describe(self.paged), "contiguous": describe(self.contiguous)}
 
 
-def run_runtime(llm, work: list[Request]) -> tuple[Result, dict]:
+def run_runtime(llm, work: list[Request]) -> tuple[Result, dict, list[list[int]]]:
+    """All requests submitted at once, engine stepped until idle. Returns result, KV stats, output token ids."""
     engine, core = llm.engine, llm.engine.core
     preempted_before = core.scheduler.num_preemptions
     tracker = KVTracker(core)
-    produced: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, r in enumerate(work):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt}, sampling(r.output_len))
@@ -167,17 +168,17 @@ def run_runtime(llm, work: list[Request]) -> tuple[Result, dict]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                produced[out.request_id] = len(out.outputs[0].token_ids)
+                outputs[out.request_id] = out.outputs[0].token_ids
         tracker.sample()
         steps += 1
     seconds = time.perf_counter() - start
-    expected = {f"bench-{i}": r.output_len for i, r in enumerate(work)}
-    if produced != expected:
+    ordered = [list(outputs[f"bench-{i}"]) for i in range(len(work))]
+    if [len(o) for o in ordered] != [r.output_len for r in work]:
         raise RuntimeError("runtime produced output lengths other than requested")
     kv = tracker.summary() | {"engine_steps": steps, "num_blocks": core.num_blocks,
                               "block_size": core.config.block_size,
                               "preemptions": core.scheduler.num_preemptions - preempted_before}
-    return Result("paged_runtime", len(work), sum(produced.values()), seconds), kv
+    return Result("paged_runtime", len(work), sum(map(len, ordered)), seconds), kv, ordered
 
 
 def warm_up_runtime(llm, vocab_size: int) -> None:
@@ -189,7 +190,9 @@ def warm_up_runtime(llm, vocab_size: int) -> None:
 # ---- transformers ------------------------------------------------------------------
 def load_hf(dtype: str):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
     from paged_runtime.models.default_model import default_model_path
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=getattr(torch, dtype))
     return model.eval()
 
@@ -239,20 +242,23 @@ def greedy_agreement(runtime_outputs: list[list[int]], hf_outputs: list[list[int
     return rows
 
 
-def runtime_outputs_for(llm, work: list[Request]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": r.prompt} for r in work], [sampling(r.output_len) for r in work],
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 # ---- reporting -----------------------------------------------------------------------
 def machine_info(load_at_start: float) -> dict:
     import transformers
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": _cpu_model(),
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
             "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]},
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def print_table(results: list[Result]) -> None:
@@ -327,7 +333,7 @@ def main(argv=None) -> int:
     print(f"workload: {json.dumps(workload_summary(work))}", flush=True)
 
     warm_up_runtime(llm, vocab)
-    runtime, kv = run_runtime(llm, work)
+    runtime, kv, runtime_outs = run_runtime(llm, work)
     results = [runtime]
     print(f"paged_runtime: {runtime.output_tokens} tokens in {runtime.seconds:.1f}s", flush=True)
 
@@ -342,7 +348,7 @@ def main(argv=None) -> int:
         static = run_hf_static(model, static_work, args.hf_batch_size, pad_id)
         print(f"HF static: {static.output_tokens} tokens in {static.seconds:.1f}s", flush=True)
         results += [single, static]
-        agreement = greedy_agreement(runtime_outputs_for(llm, work[:args.hf_sample]), hf_outs)
+        agreement = greedy_agreement(runtime_outs, hf_outs)
 
     print()
     print_table(results)

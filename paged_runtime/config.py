@@ -20,6 +20,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     served_model_name: str | None = None
     debug_checks: bool = False  # check block-accounting invariants after every step
 

@@ -5,19 +5,21 @@ Every step hands out at most ``max_num_batched_tokens`` tokens across at most
 with its token count. A prompt chunk, a whole prompt and a decode token are
 all "compute the next N tokens of this request".
 
-Order: running requests first (in priority-then-arrival order), then waiting
-ones are admitted into whatever budget and blocks are left (continuous
-batching). When blocks run out, the lowest-priority, latest-arrived running
-request is preempted by recompute: its blocks are freed, its computed count
-reset, and it goes back to the head of the queue. Nothing new is admitted in
-a step that preempted. Because victims are always taken from the back of the
-arrival order, the earliest request always makes progress (no livelock), and
-a resumed request is only chosen again after every later arrival.
+Order: running requests first, then waiting ones are admitted into whatever
+budget and blocks are left (continuous batching). Both queues are kept in
+policy order: arrival for "fcfs", (priority, arrival) for "priority".
+
+When blocks run out, the running request last in that order is preempted by
+recompute: its blocks are freed (their cached prefix usually survives), its
+computed count reset, and it goes back to the waiting queue. Nothing new is
+admitted in a step that preempted. Thrash guard: a request resumed after a
+preemption is not chosen again until it has finished its prefill, unless
+nothing else can be. Under "priority", a waiting request that does not fit
+preempts running requests of strictly lower priority.
 """
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import dataclass, field
 
 from paged_runtime.core.kv_cache_manager import KVCacheManager
@@ -51,17 +53,29 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def _order_key(request: Request) -> tuple[int, int]:
+def _fcfs_key(request: Request) -> tuple[int, int]:
+    return (0, request.arrival)
+
+
+def _priority_key(request: Request) -> tuple[int, int]:
     return (request.priority, request.arrival)
 
 
+SCHEDULING_POLICIES = {"fcfs": _fcfs_key, "priority": _priority_key}
+
+
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # sorted by (priority, arrival)
+        self.policy = policy
+        self._key = SCHEDULING_POLICIES[policy]
+        self.waiting: list[Request] = []  # sorted by the policy's key
+        self.running: list[Request] = []  # sorted by the policy's key
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_req_ids: list[str] = []
@@ -71,7 +85,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=self._key)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish (stop or abort) requests wherever they are; unknown ids are ignored."""
@@ -99,65 +113,82 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        num_preempted = 0
+        num_preemptions = self.num_preemptions
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_uncomputed_tokens, budget)
-            allocated, preempted = self._allocate_or_preempt(request, num_new)
-            num_preempted += preempted
-            if not allocated:
-                break  # the request itself was the last one and got preempted
-            scheduled.append(self._schedule(request, num_new))
-            budget -= num_new
-            index += 1
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                index -= self._preempt(victim, scheduled)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._schedule(request, num_new))
+                index += 1
+            budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        num_preempted = self.num_preemptions - num_preemptions
         if num_preempted == 0:
-            budget = self._admit_waiting(budget, scheduled)
-        out = SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted,
+            self._admit_waiting(budget, scheduled)
+        out = SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled), num_preempted,
                               self.kv_cache.take_pending_copies(), self._finished_req_ids)
         self._finished_req_ids = []
         return out
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - len(hits) * self.kv_cache.block_size, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hits):
+                if self._preempt_for_priority(request, scheduled):
+                    budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+                    continue
                 break
             self.kv_cache.record_prefix_query(request, len(hits))
             request.num_computed_tokens = len(hits) * self.kv_cache.block_size
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
-            self.waiting.popleft()
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=_order_key)
+            bisect.insort(self.running, request, key=self._key)
             scheduled.append(self._schedule(request, num_new))
             budget -= num_new
-        return budget
+
+    def _preempt_for_priority(self, request: Request, scheduled: list[ScheduledRequest]) -> bool:
+        """Under "priority", free a strictly lower-priority runner for ``request``; False if none."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, scheduled)
+        return True
 
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
                                 self.kv_cache.block_ids(request.request_id))
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[bool, int]:
-        """Allocate slots for ``request``, preempting from the back until it fits."""
-        num_preempted = 0
-        while not self.kv_cache.allocate_slots(request, num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            num_preempted += 1
-            if victim is request:
-                return False, num_preempted
-        return True, num_preempted
+    def _pick_victim(self) -> Request:
+        """The last running request in policy order, skipping resumed ones still in prefill."""
+        for request in reversed(self.running):
+            if not (request.num_preemptions and request.num_computed_tokens < request.num_tokens):
+                return request
+        return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, scheduled: list[ScheduledRequest]) -> int:
+        """Preempt by recompute; returns 1 if the victim had already been scheduled this step."""
+        self.running.remove(request)
         self.kv_cache.free(request)
+        was_scheduled = [s for s in scheduled if s.request is request]
+        for item in was_scheduled:
+            scheduled.remove(item)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        bisect.insort(self.waiting, request, key=self._key)
+        return len(was_scheduled)
 
     # ---- after the forward pass ---------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:

@@ -44,7 +44,8 @@ class EngineCore:
         self.num_blocks = num_kv_blocks(model_config, config.block_size, self.dtype, budget,
                                         self.max_model_len, config.max_num_seqs)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed)
         self.last_stats: StepStats | None = None
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",

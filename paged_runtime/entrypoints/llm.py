@@ -29,13 +29,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        return self._run(list(zip(prompts, params)), use_tqdm)
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(list(zip(prompts, params, priority)), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -54,12 +57,12 @@ class LLM:
                                              add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, work: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, work: list[tuple[PromptType, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
         # Validate everything first so a bad prompt leaves nothing half-submitted.
-        processed = [self.engine.processor.process(p, sp) for p, sp in work]
+        processed = [self.engine.processor.process(p, sp) for p, sp, _ in work]
         request_ids = [f"llm-{next(self._ids)}" for _ in work]
-        for request_id, prompt, (_, params) in zip(request_ids, processed, work):
-            self.engine.add_request(request_id, prompt, params)
+        for request_id, prompt, (_, params, priority) in zip(request_ids, processed, work):
+            self.engine.add_request(request_id, prompt, params, priority)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(work), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:

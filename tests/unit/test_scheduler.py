@@ -66,7 +66,7 @@ def test_preemption_frees_the_latest_arrival_and_admits_nothing():
     assert out.num_preempted == 1 and plan(out) == {"old": 1}
     new = scheduler.requests["new"]
     assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0 and new.num_output_tokens == 2
-    assert list(scheduler.waiting)[0] is new  # back at the head of the queue
+    assert scheduler.waiting[0] is new  # back ahead of later arrivals
     assert scheduler.kv_cache.block_ids("new") == []
 
 
