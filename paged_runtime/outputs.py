@@ -4,13 +4,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position: token id -> its Logprob (the chosen token first, then the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # Streaming: what this step added.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -21,9 +38,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # finished: the n best; while streaming: the sequences that moved
     finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    # Text added since the previous output of this request, for streaming.
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from paged_runtime.sampling_params import SamplingParams
 
 
+def child_request_id(group_id: str, index: int) -> str:
+    """Internal id of parallel-sampling sequence ``index`` (0 is the group's own id)."""
+    return group_id if index == 0 else f"{group_id}\x1f{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -46,9 +51,30 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of each full block of all_token_ids
+    # Parallel sampling (n / best_of): the user's request id, this sequence's index, and how many
+    # siblings are still to be forked off once the prompt (all but its last token) is computed.
+    group_id: str = ""
+    index: int = 0
+    num_pending_forks: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+        if not self.index:
+            self.num_pending_forks = self.params.best_of - 1
+
+    def fork(self, index: int) -> Request:
+        """A sibling at the same point: same tokens and computed count (its blocks are forked
+        by the KV-cache manager)."""
+        child = Request(child_request_id(self.group_id, index), self.prompt_token_ids, self.params, self.arrival,
+                        self.max_tokens, self.eos_token_ids, self.prompt, self.priority, self.cache_salt,
+                        group_id=self.group_id, index=index)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,8 +55,8 @@ class KVCacheManager:
     # ---- prefix cache --------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks at the start of ``request``'s tokens."""
-        if not self.enable_caching:
-            return []
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         self._hash_full_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is always computed
         hits = []

@@ -16,6 +16,11 @@ admitted in a step that preempted. Thrash guard: a request resumed after a
 preemption is not chosen again until it has finished its prefill, unless
 nothing else can be. Under "priority", a waiting request that does not fit
 preempts running requests of strictly lower priority.
+
+Parallel sampling (n / best_of): a request computes all but its last prompt
+token, then forks into best_of sequences that share every block (the partial
+tail too, copy-on-write). Each sequence computes the last token itself and
+samples from there, so the prompt's KV is computed once.
 """
 from __future__ import annotations
 
@@ -117,16 +122,20 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_uncomputed_tokens, budget)
+            if request.num_pending_forks and request.num_uncomputed_tokens == 1:
+                self._fork(request)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._pick_victim()
-                index -= self._preempt(victim, scheduled)
+                refund = self._preempt(victim, scheduled)
+                budget += refund
+                index -= refund > 0
                 if victim is request:
                     break
             else:
                 scheduled.append(self._schedule(request, num_new))
+                budget -= num_new
                 index += 1
-            budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         num_preempted = self.num_preemptions - num_preemptions
         if num_preempted == 0:
             self._admit_waiting(budget, scheduled)
@@ -135,15 +144,23 @@ class Scheduler:
         self._finished_req_ids = []
         return out
 
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if request.num_pending_forks:
+            num_new -= 1  # stop before the last prompt token: that is where the siblings fork
+        return min(num_new, budget)
+
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) + 1 + request.num_pending_forks > self.max_num_seqs:
+                break
             hits = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - len(hits) * self.kv_cache.block_size, budget)
+            num_new = self._num_new_tokens(request, len(hits) * self.kv_cache.block_size, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hits):
                 if self._preempt_for_priority(request, scheduled):
                     budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
-                    continue
+                    continue  # rare: recount the budget the victim may have given back
                 break
             self.kv_cache.record_prefix_query(request, len(hits))
             request.num_computed_tokens = len(hits) * self.kv_cache.block_size
@@ -152,7 +169,8 @@ class Scheduler:
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._key)
-            scheduled.append(self._schedule(request, num_new))
+            if num_new:  # 0 when the fork point is right at admission: it forks next step
+                scheduled.append(self._schedule(request, num_new))
             budget -= num_new
 
     def _preempt_for_priority(self, request: Request, scheduled: list[ScheduledRequest]) -> bool:
@@ -169,6 +187,14 @@ class Scheduler:
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
                                 self.kv_cache.block_ids(request.request_id))
 
+    def _fork(self, parent: Request) -> None:
+        for index in range(1, parent.num_pending_forks + 1):
+            child = parent.fork(index)
+            self.kv_cache.fork(parent, child)
+            self.requests[child.request_id] = child
+            bisect.insort(self.running, child, key=self._key)
+        parent.num_pending_forks = 0
+
     def _pick_victim(self) -> Request:
         """The last running request in policy order, skipping resumed ones still in prefill."""
         for request in reversed(self.running):
@@ -177,7 +203,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request, scheduled: list[ScheduledRequest]) -> int:
-        """Preempt by recompute; returns 1 if the victim had already been scheduled this step."""
+        """Preempt by recompute; returns the tokens it had been scheduled this step (0 if none)."""
         self.running.remove(request)
         self.kv_cache.free(request)
         was_scheduled = [s for s in scheduled if s.request is request]
@@ -188,7 +214,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=self._key)
-        return len(was_scheduled)
+        return sum(s.num_new_tokens for s in was_scheduled)
 
     # ---- after the forward pass ---------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:
@@ -214,6 +240,8 @@ class Scheduler:
     @staticmethod
     def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
+        if request.num_output_tokens < params.min_tokens:
+            return None  # EOS and stop tokens were masked by the sampler until here
         if token_id in request.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:

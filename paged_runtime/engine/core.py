@@ -16,10 +16,19 @@ from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.models.loader import load_model
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.kv_budget import free_memory, num_kv_blocks
-from paged_runtime.worker.model_runner import ModelRunner
+from paged_runtime.worker.model_runner import ModelRunner, TokenLogprobs
 from paged_runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What one step did to one sequence: a new token, and logprobs when asked."""
+    request: Request
+    token_id: int | None
+    logprobs: TokenLogprobs | None
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None
 
 
 @dataclass(slots=True)
@@ -63,18 +72,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
 
-    def step(self) -> list[Request]:
+    def step(self) -> list[StepUpdate]:
+        """One scheduling step and forward pass; the sequences that got a token or prompt logprobs."""
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        sampled = self.runner.execute(out)
-        updated = self.scheduler.update_from_output(out, sampled)
+        result = self.runner.execute(out)
+        self.scheduler.update_from_output(out, result.token_ids)
+        updates = [StepUpdate(item.request, token_id, logprobs, prompt_logprobs)
+                   for item, token_id, logprobs, prompt_logprobs in zip(
+                       out.scheduled, result.token_ids, result.logprobs, result.prompt_logprobs)
+                   if token_id is not None or prompt_logprobs is not None]
         self.last_stats = StepStats(out.num_batched_tokens, self.scheduler.num_running, self.scheduler.num_waiting,
                                     out.num_preempted, self.kv_cache.usage(),
                                     sum(r.num_computed_tokens for r in self.scheduler.running))
         if self.config.debug_checks:
             self.scheduler.check_invariants()
-        return updated
+        return updates
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

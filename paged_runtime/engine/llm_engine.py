@@ -1,24 +1,53 @@
 """The synchronous engine: text in, text out, one step at a time.
 
 Wraps the token-level ``EngineCore`` with the processor (tokenize, validate)
-on the way in and incremental detokenization plus stop strings on the way
-out. A stop string ends its request in the same step it appears.
+on the way in and, on the way out, per-sequence incremental detokenization,
+stop strings (a stop string ends its sequence in the step it appears) and
+logprobs. A request with n / best_of > 1 is one group of sequences; its
+output is finished when all of them are, and then holds the n best.
 """
 from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from paged_runtime.config import EngineConfig
-from paged_runtime.engine.core import EngineCore
+from paged_runtime.engine.core import EngineCore, StepUpdate
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
-from paged_runtime.outputs import CompletionOutput, RequestOutput
-from paged_runtime.request import Request, RequestStatus
+from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from paged_runtime.request import Request, RequestStatus, child_request_id
 from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.worker.model_runner import TokenLogprobs
+
+
+@dataclass
+class Sequence:
+    """Output-side state of one sampled sequence."""
+    detokenizer: IncrementalDetokenizer
+    completion: CompletionOutput
+
+
+@dataclass
+class RequestState:
+    """Output-side state of one user request (a group of best_of sequences)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: dict[int, Sequence] = field(default_factory=dict)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return (len(self.sequences) == self.params.best_of
+                and all(s.completion.finish_reason for s in self.sequences.values()))
 
 
 class LLMEngine:
@@ -29,50 +58,135 @@ class LLMEngine:
         self.core = EngineCore(config, self.model_path, model_config)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.max_model_len = self.core.max_model_len
-        self.processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size)
+        self.processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
+                                   config.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.states: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
+        self.decode_token = lru_cache(maxsize=65536)(lambda t: self.tokenizer.decode([t]))
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request; a prompt already validated by ``self.processor`` is taken as it is."""
-        if request_id in self.detokenizers:
+        if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt, params)
         request = Request(request_id, processed.token_ids, params, next(self._arrivals), processed.max_tokens,
                           self.eos_token_ids, processed.prompt, priority, cache_salt)
         self.core.add_request(request)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, processed.token_ids, params)
+        self.states[request_id] = RequestState(request_id, processed.prompt, processed.token_ids, params,
+                                               prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        for request in self.core.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self.detokenizers.pop(request.request_id, None)
+        for request_id in request_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                ids = [child_request_id(request_id, i) for i in range(state.params.best_of)]
+                self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        return [self._make_output(r) for r in self.core.step()]
+        """One engine step; an output for every request that moved (finished ones included)."""
+        moved: dict[str, list[int]] = {}
+        for update in self.core.step():
+            index = self._apply(update)
+            moved.setdefault(update.request.group_id, [])
+            if index is not None:
+                moved[update.request.group_id].append(index)
+        return [self._make_output(group_id, indices) for group_id, indices in moved.items()]
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        detok = self.detokenizers[request.request_id]
-        token_id = request.all_token_ids[-1]
-        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
-        hidden = ended_by_token or (request.stop_reason == token_id
-                                    and not request.params.include_stop_str_in_output)
-        if not hidden:
-            stop = detok.add_tokens([token_id])
+    # ---- per-sequence bookkeeping ------------------------------------------------------
+    def _apply(self, update: StepUpdate) -> int | None:
+        request, state = update.request, self.states[update.request.group_id]
+        if update.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, *update.prompt_logprobs)
+        if update.token_id is None:
+            return None
+        seq = state.sequences.get(request.index)
+        if seq is None:
+            seq = state.sequences[request.index] = Sequence(
+                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params),
+                CompletionOutput(request.index, "", [], 0.0 if request.params.needs_logprobs else None,
+                                 [] if request.params.logprobs is not None else None))
+            state.num_cached_tokens = max(0, request.num_cached_tokens)
+        self._add_token(request, seq, update.token_id, update.logprobs)
+        return request.index
+
+    def _add_token(self, request: Request, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        c = seq.completion
+        c.token_ids.append(token_id)
+        c.delta_token_ids.append(token_id)
+        if logprobs is not None:
+            c.cumulative_logprob += logprobs.logprob
+            if c.logprobs is not None:
+                entry = self._position_logprobs(logprobs)
+                c.logprobs.append(entry)
+                c.delta_logprobs.append(entry)
+        if not self._text_hidden(request, token_id):
+            stop = seq.detokenizer.add_tokens([token_id])
             if stop is not None and not request.status.finished:
                 self.core.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = stop
-        finished = request.status.finished
+        c.text = seq.detokenizer.text
+        c.finish_reason, c.stop_reason = request.finish_reason, request.stop_reason
+        c.delta_text += seq.detokenizer.take_delta(request.status.finished)
+
+    @staticmethod
+    def _text_hidden(request: Request, token_id: int) -> bool:
+        """EOS never shows as text; a stop token only with include_stop_str_in_output."""
+        if request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
+            return True
+        return request.stop_reason == token_id and not request.params.include_stop_str_in_output
+
+    def _position_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, self.decode_token(lp.token_id))}
+        for rank, (token_id, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            entry.setdefault(token_id, Logprob(value, rank, self.decode_token(token_id)))
+        return entry
+
+    def _add_prompt_logprobs(self, state: RequestState, first: int, entries: list[TokenLogprobs]) -> None:
+        # A preempted request recomputes its prompt: keep only positions not seen yet.
+        have = len(state.prompt_logprobs) - 1
+        for offset, lp in enumerate(entries):
+            if first + offset >= have:
+                state.prompt_logprobs.append(self._position_logprobs(lp))
+
+    # ---- outputs ---------------------------------------------------------------------
+    def _make_output(self, group_id: str, moved: list[int]) -> RequestOutput:
+        state = self.states[group_id]
+        finished = state.finished
         if finished:
-            del self.detokenizers[request.request_id]
-        completion = CompletionOutput(0, detok.text, list(request.output_token_ids), request.finish_reason,
-                                      request.stop_reason)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
-                             num_cached_tokens=max(0, request.num_cached_tokens), delta_text=detok.take_delta(finished), delta_token_ids=[token_id])
+            del self.states[group_id]
+            completions = self._best(state)
+        else:
+            completions = [_snapshot(state.sequences[i].completion) for i in moved]
+        for i in moved:
+            completion = state.sequences[i].completion
+            completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], []
+        return RequestOutput(group_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.prompt_logprobs, state.num_cached_tokens)
+
+    @staticmethod
+    def _best(state: RequestState) -> list[CompletionOutput]:
+        """All n sequences, or the n best of best_of by cumulative logprob, as indices 0..n-1."""
+        sequences = [state.sequences[i].completion for i in sorted(state.sequences)]
+        if state.params.best_of > state.params.n:
+            sequences = sorted(sequences, key=lambda c: c.cumulative_logprob, reverse=True)[:state.params.n]
+        outputs = []
+        for index, c in enumerate(sequences):
+            out = _snapshot(c)
+            out.index = index
+            outputs.append(out)
+        return outputs
+
+
+def _snapshot(c: CompletionOutput) -> CompletionOutput:
+    """A copy the caller may keep while the engine goes on appending."""
+    return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                            list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
+                            c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs))
 
 
 def _eos_token_ids(tokenizer, model_path: Path, model_config: ModelConfig) -> frozenset[int]:

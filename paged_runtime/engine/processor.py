@@ -20,12 +20,14 @@ class ProcessedPrompt:
 
 
 class Processor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
@@ -38,6 +40,14 @@ class Processor:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedPrompt(text, token_ids, max_tokens)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.best_of > self.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) must not exceed max_num_seqs ({self.max_num_seqs})")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is out of range for vocabulary size {self.vocab_size}")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

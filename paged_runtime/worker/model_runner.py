@@ -7,13 +7,35 @@ are built with numpy over whole arrays, not per token.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from paged_runtime.attention.torch_backend import AttentionMetadata, PrefillChunk, causal_mask, decode_group
 from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
-from paged_runtime.sample.sampler import Sampler, SamplingMetadata
+from paged_runtime.sample.metadata import build_sampling_metadata
+from paged_runtime.sample.sampler import Sampler, SamplerOutput
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Raw logprob and rank of one token, and the top-k alternatives at its position."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per scheduled request, in the scheduler's order."""
+    token_ids: list[int | None]  # None: a prompt chunk that did not reach the end
+    logprobs: list[TokenLogprobs | None]
+    # (first prompt position scored, entries): entry i scores prompt token first + i + 1.
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]
 
 
 # Decodes are attended in groups of this many rows (sorted by length), so one
@@ -33,8 +55,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        """Returns, in the scheduler's order, the sampled token or None for a partial prompt chunk."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
         if out.block_copies:
@@ -45,19 +66,52 @@ class ModelRunner:
         items = [out.scheduled[i] for i in order]
         input_ids, positions, meta = self._prepare_inputs(items)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sample_rows = np.cumsum([s.num_new_tokens for s in items]) - 1
+        ends = np.cumsum([s.num_new_tokens for s in items])
+        result = RunnerOutput([None] * len(items), [None] * len(items), [None] * len(items))
         sampling = [k for k, s in enumerate(items) if s.samples]
-        tokens: list[int | None] = [None] * len(items)
         if sampling:
-            rows = torch.as_tensor(sample_rows[sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self.sampler(logits, self._sampling_metadata([items[k] for k in sampling])).tolist()
-            for k, token in zip(sampling, sampled):
-                tokens[k] = token
-        result: list[int | None] = [None] * len(items)
-        for k, i in enumerate(order):
-            result[i] = tokens[k]
-        return result
+            rows = torch.as_tensor(ends[sampling] - 1, device=self.device)
+            requests = [items[k].request for k in sampling]
+            generators = [self._generator(r) for r in requests]
+            meta = build_sampling_metadata(requests, generators, self.model.config.vocab_size, self.device)
+            sampled = self.sampler(self.model.compute_logits(hidden[rows]), meta)
+            self._store_samples(result, sampling, requests, sampled)
+        for k, s in enumerate(items):
+            if s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
+                result.prompt_logprobs[k] = self._prompt_logprobs(s, hidden[ends[k] - s.num_new_tokens:ends[k]])
+        back = np.argsort(order)  # from the runner's order back to the scheduler's
+        return RunnerOutput(*([field[k] for k in back]
+                              for field in (result.token_ids, result.logprobs, result.prompt_logprobs)))
+
+    @staticmethod
+    def _store_samples(result: RunnerOutput, positions: list[int], requests, sampled: SamplerOutput) -> None:
+        tokens = sampled.token_ids.tolist()
+        if sampled.logprobs is not None:
+            logprobs, ranks = sampled.logprobs.tolist(), sampled.ranks.tolist()
+            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        for j, (k, request) in enumerate(zip(positions, requests)):
+            result.token_ids[k] = tokens[j]
+            if sampled.logprobs is not None and request.params.needs_logprobs:
+                num = request.params.logprobs or 0
+                result.logprobs[k] = TokenLogprobs(tokens[j], logprobs[j], ranks[j],
+                                                   top_ids[j][:num] if num else [], top_lps[j][:num] if num else [])
+
+    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> tuple[int, list[TokenLogprobs]]:
+        """Score prompt tokens start+1 .. (chunk end or the prompt's last) from this chunk's rows."""
+        request = s.request
+        end = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
+        logprobs = self.model.compute_logits(hidden[:end - s.start]).log_softmax(dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[s.start + 1:end + 1], device=self.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+        k = request.params.prompt_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        top_ids = top.indices.tolist() if top else [[] for _ in ranks]
+        top_lps = top.values.tolist() if top else [[] for _ in ranks]
+        entries = [TokenLogprobs(t, lp, r, i, v)
+                   for t, lp, r, i, v in zip(targets.tolist(), chosen.tolist(), ranks, top_ids, top_lps)]
+        return s.start, entries
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give each (src, dst) pair's dst block the KV of src, in every layer."""
@@ -118,24 +172,13 @@ class ModelRunner:
                             causal_mask(s.num_new_tokens, context_len, self.device))
 
     # ---- sampling ----------------------------------------------------------------
-    def _sampling_metadata(self, items: list[ScheduledRequest]) -> SamplingMetadata:
-        params = [s.request.params for s in items]
-        all_greedy = all(p.greedy for p in params)
-        vocab = self.model.config.vocab_size
-        top_k = top_p = None
-        if not all_greedy and any(p.top_k for p in params):
-            top_k = torch.tensor([p.top_k or vocab for p in params], device=self.device)
-        if not all_greedy and any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        generators = [self._generator(s) for s in items]
-        return SamplingMetadata(temperature, top_k, top_p, generators, all_greedy)
-
-    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        seed = s.request.params.seed
-        if seed is None or s.request.params.greedy:
+    def _generator(self, request) -> torch.Generator | None:
+        """A seeded request's own generator; a forked child i draws from seed + i."""
+        seed = request.params.seed
+        if seed is None or request.params.greedy:
             return None
-        g = self.generators.get(s.request.request_id)
+        g = self.generators.get(request.request_id)
         if g is None:
-            g = self.generators[s.request.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+            g = torch.Generator(device=self.device).manual_seed(seed + request.index)
+            self.generators[request.request_id] = g
         return g

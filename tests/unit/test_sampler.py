@@ -10,14 +10,15 @@ CHI2_P001_DF = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # critical va
 
 
 def draw(logits: torch.Tensor, num: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-         seed: int = 0) -> torch.Tensor:
+         min_p: float = 0.0, seed: int = 0) -> torch.Tensor:
     rows = logits.expand(num, -1).clone()
     meta = SamplingMetadata(
         temperature=torch.full((num,), temperature),
         top_k=torch.full((num,), top_k or logits.numel()) if top_k else None,
         top_p=torch.full((num,), top_p) if top_p < 1 else None,
+        min_p=torch.full((num,), min_p) if min_p else None,
         generators=[None] * num, all_greedy=False)
-    return Sampler(torch.Generator().manual_seed(seed))(rows, meta)
+    return Sampler(torch.Generator().manual_seed(seed))(rows, meta).token_ids
 
 
 def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -64,6 +65,20 @@ def test_top_p_frequencies_match():
     assert stat < CHI2_P001_DF[df], stat
 
 
+def test_min_p_frequencies_match():
+    # probs at T=1: 0.557 0.205 0.124 0.075 0.028 0.004; min_p 0.2 keeps p >= 0.111: the top 3.
+    samples = draw(LOGITS, 40_000, temperature=1.0, min_p=0.2)
+    stat, df = chi_square(samples, expected_probs(1.0, [0, 1, 2]))
+    assert stat < CHI2_P001_DF[df], stat
+
+
+def test_min_p_applies_before_top_p():
+    # min_p first leaves the top 3 (renormalised: 0.630 0.232 0.138); top_p 0.8 then keeps 2.
+    samples = draw(LOGITS, 40_000, temperature=1.0, min_p=0.2, top_p=0.8)
+    stat, df = chi_square(samples, expected_probs(1.0, [0, 1]))
+    assert stat < CHI2_P001_DF[df], stat
+
+
 def test_a_wrong_filter_would_be_caught():
     # top-k 3 draws checked against a top-4 distribution must fail: the test has teeth.
     samples = draw(LOGITS, 40_000, temperature=1.0, top_k=3)
@@ -73,14 +88,14 @@ def test_a_wrong_filter_would_be_caught():
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     rows = torch.stack([LOGITS, LOGITS.flip(0)])
-    meta = SamplingMetadata(torch.tensor([0.0, 0.0]), None, None, [None, None], all_greedy=False)
-    assert Sampler(torch.Generator().manual_seed(0))(rows, meta).tolist() == [0, 5]
+    meta = SamplingMetadata(torch.tensor([0.0, 0.0]), all_greedy=False, generators=[None, None])
+    assert Sampler(torch.Generator().manual_seed(0))(rows, meta).token_ids.tolist() == [0, 5]
 
 
 def test_per_row_generators_are_independent_of_neighbours():
     gen = lambda: torch.Generator().manual_seed(42)
     alone = Sampler(torch.Generator().manual_seed(0))(
-        LOGITS.expand(1, -1).clone(), SamplingMetadata(torch.ones(1), None, None, [gen()], False))
+        LOGITS.expand(1, -1).clone(), SamplingMetadata(torch.ones(1), False, [gen()])).token_ids
     crowd = Sampler(torch.Generator().manual_seed(5))(
-        LOGITS.expand(3, -1).clone(), SamplingMetadata(torch.ones(3), None, None, [None, gen(), None], False))
+        LOGITS.expand(3, -1).clone(), SamplingMetadata(torch.ones(3), False, [None, gen(), None])).token_ids
     assert crowd[1] == alone[0]
