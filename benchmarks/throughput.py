@@ -43,7 +43,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +66,8 @@ class Result:
     requests: int
     output_tokens: int
     seconds: float
+    # 1-minute load average when the run ended; above torch's thread count means others shared the cores.
+    load_average_1m: float = field(default_factory=lambda: os.getloadavg()[0])
 
     @property
     def tok_s(self) -> float:

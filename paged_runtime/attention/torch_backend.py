@@ -72,8 +72,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if chunk.context_slots is None:
             out[rows] = _attend(q[rows], k[rows], v[rows], None, scale)
         else:
-            out[rows] = _attend(q[rows], key_cache[chunk.context_slots], value_cache[chunk.context_slots],
-                                chunk.mask, scale)
+            out[rows] = _attend(q[rows], key_cache.index_select(0, chunk.context_slots),
+                                value_cache.index_select(0, chunk.context_slots), chunk.mask, scale)
     return out
 
 
@@ -89,8 +89,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       group: DecodeGroup, scale: float) -> torch.Tensor:
     """Batched one-token queries over gathered context: q [B, H, D] -> [B, H, D]."""
-    keys = key_cache[group.slots].transpose(1, 2)  # [B, Hkv, C, D]
-    values = value_cache[group.slots].transpose(1, 2)
+    # index_select on the flattened index is ~2x faster than advanced indexing here.
+    shape = (*group.slots.shape, *key_cache.shape[1:])
+    keys = key_cache.index_select(0, group.slots.reshape(-1)).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
+    values = value_cache.index_select(0, group.slots.reshape(-1)).view(shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=group.mask,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)

@@ -17,6 +17,7 @@ from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.sample.metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, SamplerOutput
+from paged_runtime.utils.cpu import keep_freed_memory_mapped
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class ModelRunner:
                  dtype: torch.dtype, seed: int) -> None:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
+        if device.type == "cpu":
+            keep_freed_memory_mapped()
         shape = (2, num_blocks * block_size, c.num_kv_heads, c.head_dim)
         # Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
