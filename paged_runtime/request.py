@@ -56,6 +56,9 @@ class Request:
     group_id: str = ""
     index: int = 0
     num_pending_forks: int = 0
+    # Beam search: the sampled token is a placeholder until the driver picks this beam's next
+    # token; a paused request is not scheduled.
+    paused: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -63,10 +66,11 @@ class Request:
         if not self.index:
             self.num_pending_forks = self.params.best_of - 1
 
-    def fork(self, index: int) -> Request:
+    def fork(self, index: int, request_id: str | None = None) -> Request:
         """A sibling at the same point: same tokens and computed count (its blocks are forked
         by the KV-cache manager)."""
-        child = Request(child_request_id(self.group_id, index), self.prompt_token_ids, self.params, self.arrival,
+        request_id = request_id or child_request_id(self.group_id, index)
+        child = Request(request_id, self.prompt_token_ids, self.params, self.arrival,
                         self.max_tokens, self.eos_token_ids, self.prompt, self.priority, self.cache_salt,
                         group_id=self.group_id, index=index)
         child.all_token_ids = list(self.all_token_ids)
@@ -102,3 +106,9 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def replace_last_token(self, token_id: int, block_size: int) -> None:
+        """Swap the last (not yet computed) token, dropping any block hash that covered it."""
+        assert self.num_computed_tokens < self.num_tokens, "the last token's KV is already written"
+        self.all_token_ids[-1] = token_id
+        del self.block_hashes[(self.num_tokens - 1) // block_size:]

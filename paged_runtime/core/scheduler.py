@@ -122,6 +122,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.paused:
+                index += 1
+                continue
             if request.num_pending_forks and request.num_uncomputed_tokens == 1:
                 self._fork(request)
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
@@ -151,8 +154,12 @@ class Scheduler:
         return min(num_new, budget)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        position = 0  # paused requests (beam search) are skipped, not waited for
+        while position < len(self.waiting) and budget > 0:
+            request = self.waiting[position]
+            if request.paused:
+                position += 1
+                continue
             if len(self.running) + 1 + request.num_pending_forks > self.max_num_seqs:
                 break
             hits = self.kv_cache.get_computed_blocks(request)
@@ -166,7 +173,7 @@ class Scheduler:
             request.num_computed_tokens = len(hits) * self.kv_cache.block_size
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._key)
             if num_new:  # 0 when the fork point is right at admission: it forks next step
@@ -186,6 +193,18 @@ class Scheduler:
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
                                 self.kv_cache.block_ids(request.request_id))
+
+    def fork_request(self, parent: Request, request_id: str) -> Request:
+        """A new sequence continuing ``parent`` (beam search), sharing its blocks."""
+        child = parent.fork(parent.index, request_id)
+        self.requests[request_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            self.kv_cache.fork(parent, child)
+            bisect.insort(self.running, child, key=self._key)
+        else:
+            child.num_computed_tokens = 0
+            bisect.insort(self.waiting, child, key=self._key)
+        return child
 
     def _fork(self, parent: Request) -> None:
         for index in range(1, parent.num_pending_forks + 1):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from paged_runtime.config import EngineConfig
+from paged_runtime.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import PromptType
 from paged_runtime.outputs import RequestOutput
@@ -39,6 +40,18 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         return self._run(list(zip(prompts, params, priority)), use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search with transformers' semantics; beams are forks inside the engine."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine")
+        greedy = SamplingParams(temperature=0)
+        token_ids = [self.engine.processor.process(p, greedy).token_ids for p in prompts]
+        results = BeamSearchDriver(self.engine.core, self.engine.eos_token_ids).run(token_ids, params)
+        for sequences in results:
+            for sequence in sequences:
+                sequence.text = self.engine.tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+        return [BeamSearchOutput(ids, sequences) for ids, sequences in zip(token_ids, results)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
