@@ -1,0 +1,205 @@
+"""KV-cache memory: paging, sharing and prefix caching, measured on the embedded SmolLM2.
+
+What it measures (one process, bfloat16, the runtime only; no timings but TTFT)
+    (a) Paging. A fixed KV budget and a ShareGPT-like workload (the same length
+        generator as throughput.py). After every step: token states held / slots
+        in allocated blocks (utilization) and the number of running requests.
+        Next to it, what a contiguous engine would fit in the same budget when it
+        reserves max_model_len per request, or prompt + max_tokens (an oracle that
+        knows each request's length, as in the vLLM paper's "Orca (Oracle)").
+    (b) Sharing. Parallel sampling n = 2, 4, 6 (children are forks of the
+        prompt) and beam search width 2, 4, 6 (beams are forks): after every
+        step, blocks actually held vs the sum of the live sequences' block
+        tables (what the same sequences would hold without sharing). Memory
+        saved = 1 - held / unshared, averaged over steps. The vLLM paper
+        reports 6-30% for parallel sampling and 37-66% for beam search.
+    (c) Prefix caching. Time to first token of a request with a 1,000-token
+        prefix: cache miss (after reset_prefix_cache) vs hit (the same prefix,
+        another suffix). Median of 5 pairs. Target: hit >= 10x faster.
+
+How to run
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/memory.py [--num-requests 64]
+
+Prints tables, writes benchmarks/results/memory.json and memory.png (if
+matplotlib is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import FIRST_ORDINARY_ID, RESULTS, lognormal_lengths, machine_info  # noqa: E402
+
+from paged_runtime import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+
+VOCAB = 49152
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--kv-blocks", type=int, default=400, help="KV budget for (a), in blocks of 16 tokens")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def make_llm(max_model_len: int, num_blocks: int, **kwargs) -> LLM:
+    per_block = 16 * 2 * 30 * 3 * 64 * 2  # tokens * K,V * layers * kv heads * head dim * bf16 bytes
+    return LLM(dtype="bfloat16", max_model_len=max_model_len, kv_cache_memory=num_blocks * per_block,
+               max_num_seqs=256, **kwargs)
+
+
+def live_stats(llm: LLM) -> tuple[int, int, int, int]:
+    """(running requests, token states held, blocks held, blocks if nothing were shared)."""
+    core = llm.engine.core
+    kv = core.kv_cache
+    running = core.scheduler.running
+    held = core.num_blocks - kv.num_free_blocks
+    unshared = sum(len(kv.tables.get(r.request_id, ())) for r in running)
+    return len(running), sum(r.num_computed_tokens for r in running), held, unshared
+
+
+def drive(llm: LLM, on_step) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        on_step()
+
+
+# ---- (a) paging ------------------------------------------------------------------
+def paging(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    prompts = np.minimum(lognormal_lengths(rng, 160, 0.8, n), args.max_model_len // 2)
+    outputs = np.minimum(lognormal_lengths(rng, 340, 0.8, n), args.max_model_len - prompts)
+    llm = make_llm(args.max_model_len, args.kv_blocks, max_num_batched_tokens=2048)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        llm.engine.add_request(f"r{i}", rng.integers(FIRST_ORDINARY_ID, VOCAB, int(p)).tolist(),
+                               SamplingParams(max_tokens=int(o), temperature=0, ignore_eos=True))
+    samples = []
+    drive(llm, lambda: samples.append(live_stats(llm)))
+    budget_tokens = args.kv_blocks * 16
+    busy = [s for s in samples if s[2]]
+    utilization = [states / (held * 16) for _, states, held, _ in busy]
+    return {
+        "budget_tokens": budget_tokens, "requests": n, "steps": len(samples),
+        "paged": {"mean_running": statistics.mean(s[0] for s in busy), "max_running": max(s[0] for s in busy),
+                  "utilization_mean": statistics.mean(utilization), "utilization_min": min(utilization),
+                  "preemptions": llm.engine.core.scheduler.num_preemptions},
+        "contiguous_max_model_len": {"max_running": budget_tokens // args.max_model_len},
+        "contiguous_oracle": {"max_running": int(budget_tokens // float(np.mean(prompts + outputs)))},
+    }
+
+
+# ---- (b) sharing -----------------------------------------------------------------
+def sharing(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(FIRST_ORDINARY_ID, VOCAB, 200).tolist()
+    rows = {}
+    for n in (2, 4, 6):
+        llm = make_llm(1024, 512)
+        llm.engine.add_request("p", prompt, SamplingParams(n=n, max_tokens=128, temperature=1.0, seed=seed,
+                                                           ignore_eos=True))
+        rows[f"parallel n={n}"] = _saving(llm, lambda: drive(llm, lambda: None))
+    for width in (2, 4, 6):
+        llm = make_llm(1024, 512)
+        rows[f"beam width={width}"] = _saving(llm, lambda: llm.beam_search(
+            [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=width, max_tokens=128, ignore_eos=True)))
+    return rows
+
+
+def _saving(llm: LLM, run) -> dict:
+    samples = []
+    core = llm.engine.core
+    original = core.step
+    core.step = lambda: (original(), samples.append(live_stats(llm)))[0]  # after every step, beams included
+    run()
+    core.step = original
+    busy = [s for s in samples if s[3]]
+    saved = [1 - held / unshared for _, _, held, unshared in busy]
+    return {"saved_mean": statistics.mean(saved), "saved_max": max(saved), "steps": len(busy)}
+
+
+# ---- (c) prefix caching ----------------------------------------------------------
+def prefix_ttft(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(FIRST_ORDINARY_ID, VOCAB, 1000).tolist()
+    llm = make_llm(2048, 512)
+    once = SamplingParams(max_tokens=1, temperature=0)
+    ttft = lambda prompt: _timed(lambda: llm.generate([{"prompt_token_ids": prompt}], once, use_tqdm=False))
+    ttft(prefix[:50])  # warm up
+    misses, hits = [], []
+    for i in range(5):
+        llm.reset_prefix_cache()
+        misses.append(ttft(prefix + [100 + i, 7]))
+        hits.append(ttft(prefix + [200 + i, 9]))
+    miss, hit = statistics.median(misses), statistics.median(hits)
+    return {"prefix_tokens": 1000, "miss_s": miss, "hit_s": hit, "speedup": miss / hit, "target": 10.0}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---- report ----------------------------------------------------------------------
+def report(result: dict) -> None:
+    a = result["paging"]
+    print(f"\n(a) paging: KV budget {a['budget_tokens']} tokens, {a['requests']} ShareGPT-like requests")
+    print(f"{'engine':34s} {'concurrent requests':>20s} {'KV utilization':>16s}")
+    print(f"{'paged (mean / max running)':34s} {a['paged']['mean_running']:>10.1f} / {a['paged']['max_running']:<7d}"
+          f" {a['paged']['utilization_mean']:>9.1%} (min {a['paged']['utilization_min']:.1%})")
+    print(f"{'contiguous, max_model_len each':34s} {a['contiguous_max_model_len']['max_running']:>20d}")
+    print(f"{'contiguous, oracle length each':34s} {a['contiguous_oracle']['max_running']:>20d}")
+    print("\n(b) sharing: memory saved vs the same sequences without shared blocks")
+    for name, row in result["sharing"].items():
+        print(f"{name:20s} mean {row['saved_mean']:6.1%}   max {row['saved_max']:6.1%}")
+    c = result["prefix"]
+    print(f"\n(c) TTFT with a {c['prefix_tokens']}-token prefix: miss {c['miss_s'] * 1000:.1f} ms, "
+          f"hit {c['hit_s'] * 1000:.1f} ms -> {c['speedup']:.1f}x (target >= {c['target']:.0f}x)")
+
+
+def write_png(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(result["sharing"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [100 * result["sharing"][n]["saved_mean"] for n in names], color="tab:blue")
+    ax.set_ylabel("KV memory saved by sharing (%)")
+    ax.set_title("paged-runtime: block sharing (SmolLM2-135M, bf16)")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    load = os.getloadavg()[0]
+    result = {"paging": paging(args), "sharing": sharing(args.seed), "prefix": prefix_ttft(args.seed)}
+    result["machine"] = machine_info(load)
+    result["parameters"] = vars(args)
+    report(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "memory.json"
+    out.write_text(json.dumps(result, indent=2))
+    png = write_png(result, RESULTS / "memory.png")
+    print(f"\nwrote {out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
