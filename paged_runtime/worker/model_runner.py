@@ -51,7 +51,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, device
         if device.type == "cpu":
             keep_freed_memory_mapped()
-        shape = (2, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks * block_size, 2, c.num_kv_heads, c.head_dim)
         # Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
@@ -122,7 +122,7 @@ class ModelRunner:
         src, dst = (torch.from_numpy((np.asarray(b)[:, None] * self.block_size + offsets).ravel()).to(self.device)
                     for b in zip(*copies))
         for kv_cache in self.kv_caches:
-            kv_cache[:, dst] = kv_cache[:, src]
+            kv_cache[dst] = kv_cache[src]
 
     # ---- inputs ------------------------------------------------------------------
     def _prepare_inputs(self, items: list[ScheduledRequest]):
