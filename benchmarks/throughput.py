@@ -27,10 +27,19 @@ What it measures
     min over steps. Next to it, what a contiguous engine reserving
     max_model_len per running sequence would use: states / (running * max_model_len).
 
+    Also reported: how far the runtime's greedy outputs agree with HF's on the
+    one-at-a-time subset (in bfloat16, near-tied logits may flip a pick; in
+    float32 they match), and the CPU cores other processes kept busy around
+    each timed run: torch's thread pool slows down many-fold on shared cores,
+    so a flagged row is not comparable (``--threads 1`` is more robust there).
+
 How to run
     make bench          # = HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/throughput.py
     .venv/bin/python benchmarks/throughput.py --num-requests 32 --hf-sample 2 --hf-batches 1
     .venv/bin/python benchmarks/throughput.py --dtype float32 --skip-hf
+
+Defaults (128 requests; HF: 4 one at a time, one static batch of 32) take
+about 5 minutes on 2 idle Xeon cores.
 
 Writes benchmarks/results/throughput-<dtype>.json (and a PNG if matplotlib is
 installed).
@@ -41,9 +50,10 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +61,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"vs_hf_single": 30.0, "vs_hf_static": 3.0, "output_tok_s": 600.0, "kv_utilization": 0.97}
+BUSY_LIMIT = 0.3  # cores busy with other work above which a figure is flagged as distorted
 FIRST_ORDINARY_ID = 3  # SmolLM2's special tokens are ids 0..2
 
 
@@ -66,8 +77,8 @@ class Result:
     requests: int
     output_tokens: int
     seconds: float
-    # 1-minute load average when the run ended; above torch's thread count means others shared the cores.
-    load_average_1m: float = field(default_factory=lambda: os.getloadavg()[0])
+    # CPU cores busy with other work just before and just after this run (see others_busy_cores).
+    others_busy_cores: tuple[float | None, float | None] = (None, None)
 
     @property
     def tok_s(self) -> float:
@@ -245,14 +256,53 @@ def greedy_agreement(runtime_outputs: list[list[int]], hf_outputs: list[list[int
 
 
 # ---- reporting -----------------------------------------------------------------------
-def machine_info(load_at_start: float) -> dict:
+def others_busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes over ``seconds`` while this one sleeps (from /proc/stat).
+
+    torch's CPU thread pool slows down many-fold when its cores are shared, so a
+    figure measured next to a busy neighbour is not comparable.
+    """
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # busy (minus idle, iowait), total
+    try:
+        busy0, total0 = read()
+        time.sleep(seconds)
+        busy1, total1 = read()
+    except (OSError, ValueError):
+        return None
+    return round((busy1 - busy0) / max(1, total1 - total0) * os.cpu_count(), 2)
+
+
+def timed(run, *args):
+    """Runs ``run(*args)`` (whose first return value is a Result) between two idle CPU samples."""
+    before = others_busy_cores()
+    out = run(*args)
+    result = out[0] if isinstance(out, tuple) else out
+    result.others_busy_cores = (before, others_busy_cores())
+    return out
+
+
+def machine_info() -> dict:
     import transformers
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_model": _cpu_model(),
+            "cpu_model": _cpu_model(), "git": _git_revision(),
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-            "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]},
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+def _git_revision() -> dict | None:
+    """Commit of the measured checkout, and whether paged_runtime/ had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        run = lambda *cmd: subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True,
+                                          check=True).stdout.strip()
+        return {"commit": run("rev-parse", "HEAD"),
+                "paged_runtime_dirty": bool(run("status", "--porcelain", "--", "paged_runtime"))}
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _cpu_model() -> str | None:
@@ -269,8 +319,10 @@ def print_table(results: list[Result]) -> None:
     print(header)
     print("-" * len(header))
     for r in results:
+        busy = [b for b in r.others_busy_cores if b is not None]
+        flag = f"  ! other work kept {max(busy):.1f} cores busy" if busy and max(busy) > BUSY_LIMIT else ""
         print(f"{r.system:<24}{r.requests:>9}{r.output_tokens:>12}{r.seconds:>10.1f}{r.tok_s:>11.1f}"
-              f"{r.tok_s / base:>11.3f}x")
+              f"{r.tok_s / base:>11.3f}x{flag}")
 
 
 def verdicts(results: list[Result], kv: dict) -> dict:
@@ -325,17 +377,17 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
-    if load > 0.75:
-        print(f"warning: 1-minute load average is {load:.1f} on {os.cpu_count()} CPUs before the run; torch's "
-              "thread pool slows down sharply when cores are shared (consider --threads 1)", flush=True)
+    busy = others_busy_cores()
+    if busy is not None and busy > BUSY_LIMIT:
+        print(f"warning: other processes keep {busy:.1f} of {os.cpu_count()} cores busy; torch's thread pool "
+              "slows down many-fold when cores are shared, so figures will be distorted", flush=True)
     llm = make_llm(args)
     vocab = llm.engine.core.runner.model.config.vocab_size
     work = make_workload(args, vocab)
     print(f"workload: {json.dumps(workload_summary(work))}", flush=True)
 
     warm_up_runtime(llm, vocab)
-    runtime, kv, runtime_outs = run_runtime(llm, work)
+    runtime, kv, runtime_outs = timed(run_runtime, llm, work)
     results = [runtime]
     print(f"paged_runtime: {runtime.output_tokens} tokens in {runtime.seconds:.1f}s", flush=True)
 
@@ -344,10 +396,10 @@ def main(argv=None) -> int:
         model = load_hf(args.dtype)
         pad_id = llm.get_tokenizer().pad_token_id or 0
         warm_up_hf(model, pad_id)
-        single, hf_outs = run_hf_single(model, work[:args.hf_sample], pad_id)
+        single, hf_outs = timed(run_hf_single, model, work[:args.hf_sample], pad_id)
         print(f"HF one-at-a-time: {single.output_tokens} tokens in {single.seconds:.1f}s", flush=True)
         static_work = work[:args.hf_batch_size * args.hf_batches]
-        static = run_hf_static(model, static_work, args.hf_batch_size, pad_id)
+        static = timed(run_hf_static, model, static_work, args.hf_batch_size, pad_id)
         print(f"HF static: {static.output_tokens} tokens in {static.seconds:.1f}s", flush=True)
         results += [single, static]
         agreement = greedy_agreement(runtime_outs, hf_outs)
@@ -363,7 +415,7 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / f"throughput-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"machine": machine_info(load), "parameters": params, "workload": workload_summary(work),
+    report = {"machine": machine_info(), "parameters": params, "workload": workload_summary(work),
               "hf_static_workload": workload_summary(work[:args.hf_batch_size * args.hf_batches]),
               "results": [vars(r) | {"output_tok_s": r.tok_s, "vs_runtime": r.tok_s / runtime.tok_s}
                           for r in results],
