@@ -1,0 +1,435 @@
+"""The asynchronous engine: the step loop on its own thread, outputs through per-request asyncio queues.
+
+Threading contract
+    ``LLMEngine`` is not thread-safe, so only the step-loop thread touches it
+    (build, add, abort, step). Callers, from any event loop, hand work over through
+    an inbox guarded by one condition variable; outputs come back through the
+    caller's own ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. The
+    loop thread sleeps on the condition whenever the engine has nothing to do,
+    so an idle server burns no CPU and an event loop never waits on a step.
+
+    Callers tokenize on their side with a private copy of the tokenizer
+    (``self.tokenizer`` / ``self.processor``): a Hugging Face fast tokenizer
+    must not be used from two threads at once, and the loop thread uses the
+    engine's own copy for detokenization.
+
+Failure contract
+    A client's mistake raises ``ValueError`` from ``add_request`` and never
+    reaches the loop. A full waiting queue raises ``EngineOverloadedError``.
+    An exception inside a step fails every in-flight request with
+    ``EngineDeadError``, marks the engine unhealthy and stops the loop; later
+    requests fail at once. No consumer is ever left waiting.
+
+Cancellation contract
+    A consumer that stops iterating early (``break``, task cancelled, client
+    gone) aborts its request; the loop frees its blocks before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from paged_runtime.config import EngineConfig
+from paged_runtime.engine.llm_engine import LLMEngine
+from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
+from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
+from paged_runtime.outputs import CompletionOutput, RequestOutput
+from paged_runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry after ``retry_after`` seconds. Admitted requests are unaffected."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped (a step raised, or the engine was shut down); the engine cannot serve."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for health checks, autoscalers and routers (taken after each pass of the loop)."""
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue plus handed over but not yet added
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # since start
+    num_prefix_queries: int = 0  # tokens, since start
+    num_prefix_hits: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, in order; iteration ends after the finished output.
+
+    Filled by the loop thread (``put``), drained by one consumer on ``loop``.
+    Leaving the iteration early, or calling ``abort()``, aborts the request.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._engine = engine
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Called from the loop thread; False when the consumer's event loop is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the event loop is closed: nobody will read this
+            return False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.abort()  # cancelled while waiting: the consumer is gone
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; idempotent and safe from any thread."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort_nowait(self.request_id)
+
+
+@dataclass(slots=True)
+class _Submitted:
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Loop-side bookkeeping of one request: its stream, timings and last outputs (for an abort)."""
+    stream: RequestStream
+    arrival: float
+    num_prompt_tokens: int
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generation_tokens: int = 0
+    last_outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    """Owns an ``LLMEngine`` and runs its step loop on a dedicated daemon thread (started here).
+
+    Given an ``EngineConfig``, the loop thread itself builds the engine, so model loading and every
+    step run on one thread. That matters on CPU: torch's OpenMP keeps one worker pool per thread that
+    starts parallel work, and once the pools' threads outnumber the cores libgomp stops spinning
+    between parallel regions; a decode step then measured ~50% slower on 2 cores. An ``LLMEngine``
+    built elsewhere is accepted too (fine on GPU).
+    """
+
+    def __init__(self, engine: LLMEngine | EngineConfig, *, max_waiting_requests: int | None = None,
+                 stat_loggers: Sequence[StatLogger] = (), stats_flush_interval: float = 10.0) -> None:
+        """Starts the loop thread and returns once the engine is ready; an engine that fails to build
+        raises here. ``stats_flush_interval``: after activity stops, the loop wakes once this much later
+        so the stat loggers see the idle state (a log line's last interval) without a timer of their own."""
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_loggers = list(stat_loggers)
+        self.stats_flush_interval = stats_flush_interval
+        self.stats = EngineStats()
+        self.dead_error: EngineDeadError | None = None
+        self._cond = threading.Condition()
+        self._inbox: list[_Submitted] = []
+        self._aborts: list[str] = []
+        self._tracked: dict[str, _Tracked] = {}  # every request with a live stream; guarded by _cond
+        self._stopping = False
+        self._busy = False  # the engine has unfinished requests; read and written by the loop thread only
+        self._unflushed = False  # the last pass did work; the loggers get one idle pass later (loop thread only)
+        # Backpressure counts, guarded by _cond: the scheduler's queue as of the last look, and requests
+        # taken from the inbox but not yet added (so a burst during a step cannot slip past the limit).
+        self._num_waiting = 0
+        self._num_adding = 0
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start_and_run, args=(engine,), name="paged-runtime-step-loop",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncEngine:
+        return cls(config, **kwargs)
+
+    def _start_and_run(self, engine: LLMEngine | EngineConfig) -> None:
+        try:
+            self._attach(LLMEngine(engine) if isinstance(engine, EngineConfig) else engine)
+        except BaseException as e:  # reported by __init__ in the caller's thread
+            self._start_error = e
+            return
+        finally:
+            self._ready.set()
+        self._run()
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.config: EngineConfig = engine.config
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.processor = Processor(self.tokenizer, engine.max_model_len, engine.processor.vocab_size,
+                                   engine.processor.max_num_seqs)
+        self._counters = self._engine_counters()
+
+    # ---- the caller's side (any event loop) -----------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Validate and queue a request; returns its stream. Call from a coroutine (it binds the running loop).
+
+        Raises ValueError (bad prompt or parameters, id in use), EngineOverloadedError, EngineDeadError.
+        """
+        loop = asyncio.get_running_loop()
+        self._check_alive()
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt, params)
+        with self._cond:
+            self._check_alive()
+            if request_id in self._tracked:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._check_capacity()
+            stream = RequestStream(request_id, loop, self)
+            self._tracked[request_id] = _Tracked(stream, time.monotonic(), len(processed.token_ids))
+            self._inbox.append(_Submitted(request_id, processed, params, priority, cache_salt))
+            self._cond.notify()
+        return stream
+
+    async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they come; the last one has ``finished`` set.
+
+        Leaving the loop early (or cancelling the task) aborts the request.
+        """
+        stream = self.add_request(request_id or uuid.uuid4().hex, prompt, params, priority, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with an output whose finish_reason is "abort". Unknown ids are ignored."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError unless the step loop is alive and serving."""
+        self._check_alive()
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine's step loop is not running")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        with self._cond:
+            return len(self._tracked)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight fail with EngineDeadError. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        for stat_logger in self.stat_loggers:
+            stat_logger.close()
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _check_capacity(self) -> None:
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_waiting + self._num_adding + len(self._inbox) >= limit:
+            raise EngineOverloadedError(f"the server is overloaded: {limit} requests are already waiting "
+                                        "(max_waiting_requests); retry later")
+
+    # ---- the loop thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._inbox or self._aborts or self._busy):
+                    if not self._cond.wait(self.stats_flush_interval if self._unflushed else None):
+                        break  # idle for a whole interval after activity: one empty pass flushes the loggers
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+                self._num_adding = len(inbox)
+            try:
+                self._pass(inbox, aborts)
+            except Exception as e:  # a bug or a device error: fail everyone rather than hang them
+                logger.exception("engine step failed; the engine is now unhealthy")
+                self._die(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+                return
+        self._die(EngineDeadError("the engine was shut down"))
+
+    def _pass(self, inbox: list[_Submitted], aborts: list[str]) -> None:
+        """One pass: add, abort, step once, deliver, record stats."""
+        stats = IterationStats(time.monotonic(), 0, 0, 0.0)
+        self._add(inbox)
+        self._update_waiting()
+        self._abort(aborts, stats)
+        self._unflushed = bool(inbox or aborts or self._busy)
+        if self.engine.has_unfinished_requests():
+            step_start = time.monotonic()
+            outputs = self.engine.step()
+            stats.now = time.monotonic()
+            self._mark_scheduled(step_start, stats)
+            self._deliver(outputs, stats)
+        self._busy = self.engine.has_unfinished_requests()
+        self._update_waiting()
+        self._finish_stats(stats)
+
+    def _update_waiting(self) -> None:
+        num_waiting = self.engine.core.scheduler.num_waiting
+        with self._cond:
+            self._num_waiting, self._num_adding = num_waiting, 0
+
+    def _add(self, inbox: list[_Submitted]) -> None:
+        for s in inbox:
+            try:
+                self.engine.add_request(s.request_id, s.prompt, s.params, s.priority, s.cache_salt)
+            except ValueError as e:  # e.g. an id still held by the engine: only this request fails
+                with self._cond:
+                    tracked = self._tracked.pop(s.request_id, None)
+                if tracked is not None:
+                    tracked.stream.put(e)
+
+    def _abort(self, request_ids: list[str], stats: IterationStats) -> None:
+        if not request_ids:
+            return
+        self.engine.abort_request(request_ids)
+        now = time.monotonic()
+        with self._cond:
+            aborted = [(rid, t) for rid in request_ids if (t := self._tracked.pop(rid, None)) is not None]
+        for request_id, tracked in aborted:
+            tracked.stream.put(_aborted_output(request_id, tracked))
+            stats.finished.append(FinishedRequestStats("abort", now - tracked.arrival, tracked.num_prompt_tokens,
+                                                       tracked.num_generation_tokens))
+
+    def _mark_scheduled(self, step_start: float, stats: IterationStats) -> None:
+        """Queue time ends at the start of the first step that computed any of the request's tokens."""
+        scheduler = self.engine.core.scheduler
+        requests = getattr(scheduler, "requests", None)
+        with self._cond:
+            pending = [(rid, t) for rid, t in self._tracked.items() if t.scheduled_at is None]
+        for request_id, tracked in pending:
+            request = requests.get(request_id) if requests is not None else None
+            # Gone from the scheduler (finished in this step) or has computed tokens: it was scheduled.
+            if request is None or getattr(request, "num_computed_tokens", 0) > 0:
+                tracked.scheduled_at = step_start
+                stats.queue_times.append(max(0.0, step_start - tracked.arrival))
+
+    def _deliver(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
+        for output in outputs:
+            with self._cond:
+                tracked = self._tracked.get(output.request_id)
+                if tracked is not None and output.finished:
+                    del self._tracked[output.request_id]
+            if tracked is None:
+                continue  # aborted after this step began
+            self._account(tracked, output, stats)
+            if not tracked.stream.put(output) and not output.finished:
+                self.abort_nowait(output.request_id)  # the consumer's loop is gone
+
+    def _account(self, tracked: _Tracked, output: RequestOutput, stats: IterationStats) -> None:
+        num_new = sum(len(c.delta_token_ids) for c in output.outputs)
+        for c in output.outputs:
+            tracked.last_outputs[c.index] = c
+        if num_new:
+            if tracked.first_token_at is None:
+                tracked.first_token_at = stats.now
+                stats.time_to_first_tokens.append(stats.now - tracked.arrival)
+                stats.num_prompt_tokens += tracked.num_prompt_tokens
+            else:
+                stats.inter_token_latencies.append(stats.now - tracked.last_token_at)
+            tracked.last_token_at = stats.now
+            tracked.num_generation_tokens += num_new
+            stats.num_generation_tokens += num_new
+        if output.finished:
+            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+            stats.finished.append(FinishedRequestStats(reason, stats.now - tracked.arrival,
+                                                       tracked.num_prompt_tokens, tracked.num_generation_tokens))
+
+    def _engine_counters(self) -> tuple[int, int, int]:
+        kv = self.engine.core.kv_cache
+        return self.engine.core.scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens
+
+    def _finish_stats(self, stats: IterationStats) -> None:
+        scheduler, kv = self.engine.core.scheduler, self.engine.core.kv_cache
+        stats.num_running, stats.num_waiting, stats.kv_cache_usage = scheduler.num_running, scheduler.num_waiting, kv.usage()
+        counters = self._engine_counters()
+        stats.num_preemptions, stats.num_prefix_queries, stats.num_prefix_hits = (
+            now - before for now, before in zip(counters, self._counters))
+        self._counters = counters
+        self.stats = EngineStats(stats.num_running, stats.num_waiting, stats.kv_cache_usage, *counters)
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("stat logger %r failed", stat_logger)
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._cond:
+            if self.dead_error is None:
+                self.dead_error = error
+            tracked = list(self._tracked.values())
+            self._tracked.clear()
+            self._inbox.clear()
+        for t in tracked:
+            t.stream.put(error)
+        try:  # give the blocks back and show it in the metrics, if the engine still can
+            self.engine.abort_request([t.stream.request_id for t in tracked])
+            self._finish_stats(IterationStats(time.monotonic(), 0, 0, 0.0))
+        except Exception:
+            logger.debug("could not abort requests after the engine failed", exc_info=True)
+
+
+def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:
+    """The last known state of each sequence, marked aborted, so a live consumer's iteration ends cleanly."""
+    outputs = []
+    for index in sorted(tracked.last_outputs):
+        c = copy.copy(tracked.last_outputs[index])
+        c.finish_reason, c.delta_text, c.delta_token_ids, c.delta_logprobs = "abort", "", [], []
+        outputs.append(c)
+    return RequestOutput(request_id, None, [], outputs, True)

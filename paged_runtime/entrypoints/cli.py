@@ -1,0 +1,156 @@
+"""The ``paged-runtime`` command (also ``python -m paged_runtime``).
+
+``paged-runtime serve [MODEL]`` starts the OpenAI-compatible server with
+vLLM's flag names. MODEL is a Hugging Face folder or a .gguf file; without
+it the embedded SmolLM2-135M-Instruct is served. The API key may also come
+from ``PAGED_RUNTIME_API_KEY``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+
+logger = logging.getLogger("paged_runtime.serve")
+
+API_KEY_ENV = "PAGED_RUNTIME_API_KEY"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'2147483648', '2G', '2GiB', '512MiB' -> bytes (K/M/G/T are powers of 1024, as vLLM's --kv-cache-memory)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 2147483648, 512MiB or 2GiB, got {text!r}")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-runtime", description="A vLLM-class LLM serving runtime.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+    return parser
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face folder or .gguf file; None: the embedded SmolLM2-135M-Instruct")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use for the model; the first one labels the metrics")
+    server.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer <key>' on /v1 routes (or set {API_KEY_ENV})")
+    server.add_argument("--max-waiting-requests", type=positive_int, default=None,
+                        help="beyond this many queued requests, answer 503 with Retry-After; None: unbounded")
+    server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    server.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer folder; None: the model's")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    engine.add_argument("--max-model-len", type=positive_int, default=None)
+    engine.add_argument("--max-num-seqs", type=positive_int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    engine.add_argument("--block-size", type=positive_int, default=16)
+    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help="bytes for the KV cache (e.g. 2GiB); None: a share of free memory")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                        help="only 1: scale out with replicas (KServe / Ray Serve)")
+    engine.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="JSON speculative decoding config (not available in this build)")
+
+
+def engine_config(args: argparse.Namespace):
+    """EngineConfig from the parsed flags; ValueError for a combination the engine cannot run."""
+    from paged_runtime.config import EngineConfig
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size must be 1: this runtime runs one device per replica")
+    if args.speculative_config:
+        raise ValueError("--speculative-config is not supported by this build yet")
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
+        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        served_model_name=served_model_names(args)[0])
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model is None:
+        from paged_runtime.models.default_model import DEFAULT_MODEL_NAME
+        return [DEFAULT_MODEL_NAME]
+    return [args.model]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+        engine = make_engine(config, args)
+    except (ValueError, RuntimeError) as e:
+        print(f"paged-runtime serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        serve_http(engine, args)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def make_engine(config, args: argparse.Namespace):
+    from paged_runtime.engine.async_engine import AsyncEngine
+    from paged_runtime.metrics import LoggingStatLogger, PrometheusStatLogger
+    stat_loggers = [PrometheusStatLogger(config.served_model_name)]
+    if not args.disable_log_stats:
+        stat_loggers.append(LoggingStatLogger(args.log_stats_interval))
+    return AsyncEngine.from_config(config, max_waiting_requests=args.max_waiting_requests, stat_loggers=stat_loggers)
+
+
+def serve_http(engine, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from paged_runtime.entrypoints.openai import build_app
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    names = served_model_names(args)
+    app = build_app(engine, names, api_key=api_key, model_root=str(engine.engine.model_path))
+    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d%s)", ", ".join(names), args.host, args.port,
+                engine.max_model_len, ", API key required" if api_key else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
+                timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""OpenAI's error body, and the mapping from everything that can go wrong to a status code.
+
+Every error the routes return has the shape ``{"error": {"message", "type",
+"param", "code"}}``. A client's mistake is a 4xx whose ``param`` names the
+field; the engine being full or down is a 503; nothing a client sends can
+produce a 500.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def from_exception(e: BaseException) -> OpenAIError:
+    """Any exception as an OpenAIError; unexpected ones become a 500 and are logged with their traceback."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, ValidationError):
+        return from_validation_error(e)
+    if isinstance(e, EngineOverloadedError):
+        return OpenAIError(503, str(e), type="server_overloaded", code="server_overloaded",
+                           headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), type="server_error", code="engine_unavailable")
+    if isinstance(e, ValueError):
+        return bad_request(str(e), param=param_of_message(str(e)))
+    logger.error("unexpected error while serving a request", exc_info=e)
+    return OpenAIError(500, f"internal server error: {type(e).__name__}", type="server_error")
+
+
+def from_validation_error(e: ValidationError) -> OpenAIError:
+    """The first problem pydantic found, with its field path as ``param``."""
+    error = e.errors(include_url=False)[0]
+    loc = _field_path(error["loc"])
+    if error["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{loc}'.", param=loc, code="missing_required_parameter")
+    if not loc:
+        return bad_request(f"Invalid request body: {error['msg']}")
+    return bad_request(f"Invalid value for '{loc}': {error['msg']}", param=loc, code="invalid_value")
+
+
+def _field_path(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; pydantic's union-member tags are dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _is_union_tag(part):
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names the member of a union it tried: 'str', 'list[int]', 'function-after[...]', ...
+    return part in {"str", "int", "float", "bool", "dict", "list", "none"} or "[" in part or part.startswith(
+        ("function-", "tagged-union", "nullable"))
+
+
+def parse_json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+# Messages from SamplingParams / Processor start with the field they are about.
+_KNOWN_PARAMS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "max_tokens", "min_tokens", "stop", "logprobs", "prompt_logprobs",
+                 "logit_bias", "stop_token_ids", "prompt", "seed")
+
+
+def param_of_message(message: str) -> str | None:
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first in _KNOWN_PARAMS:
+        return first
+    if first == "prompt_token_ids":
+        return "prompt"
+    return None

@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI routes (OpenAI's fields plus vLLM's extras), validated by pydantic.
+
+Fields OpenAI defines but this runtime cannot honour (tools, JSON output,
+audio, ...) are accepted by the parser and refused by ``unsupported()`` with
+a 400 that names them. Unknown fields are ignored, as vLLM does, so newer
+clients keep working.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from paged_runtime.sampling_params import MAX_LOGPROBS
+
+TokenIds = list[StrictInt]
+MAX_N = 128  # OpenAI's limit for n
+SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; no obfuscation field is ever sent
+
+
+class SamplingFields(OpenAIModel):
+    """What /v1/completions and /v1/chat/completions share: OpenAI's sampling fields and vLLM's extras."""
+    model: str | None = None  # optional, as in vLLM: the served model when absent
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: Annotated[int, Field(**SEED_RANGE)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("cache_salt must be a non-empty string")
+        return value
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) of the first field this runtime cannot honour, or None."""
+        if self.suffix is not None:
+            return "suffix", "suffix is not supported: this runtime does not do fill-in-the-middle"
+        return None
+
+
+class TextContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) of the first field this runtime cannot honour, or None."""
+        not_yet = "is not supported yet: this runtime has no structured output or tool calling"
+        checks = [
+            ("tools", bool(self.tools), f"tools {not_yet}"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), f"tool_choice {not_yet}"),
+            ("functions", bool(self.functions), f"functions {not_yet}"),
+            ("function_call", self.function_call not in (None, "none", "auto"), f"function_call {not_yet}"),
+            ("response_format", self.response_format is not None and self.response_format.type != "text",
+             f"response_format {self.response_format and self.response_format.type!r} {not_yet}; "
+             "only {'type': 'text'} is accepted"),
+            ("audio", self.audio is not None, "audio output is not supported: this model only writes text"),
+            ("modalities", any(m != "text" for m in self.modalities or []),
+             "only the 'text' modality is supported"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
+            ("web_search_options", self.web_search_options is not None, "web search is not supported"),
+        ]
+        return next(((param, message) for param, ok, message in checks if ok), None)
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: TokenIds

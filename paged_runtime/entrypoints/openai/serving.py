@@ -1,0 +1,209 @@
+"""What the completion and chat routes share: model names, parameters, prompt checks, submission, SSE framing.
+
+Everything that can be wrong with a request is found before the first
+request reaches the engine, so a 4xx never leaves half a request running.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from paged_runtime.engine.async_engine import AsyncEngine, RequestStream
+from paged_runtime.engine.processor import ProcessedPrompt, PromptType
+from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, model_not_found, param_of_message
+from paged_runtime.entrypoints.openai.protocol import SamplingFields
+from paged_runtime.outputs import Logprob, RequestOutput
+from paged_runtime.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
+
+
+class OpenAIServing:
+    """Holds the engine and the served model names; subclasses implement one route each."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]) -> None:
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+
+    # ---- request checks -----------------------------------------------------------------
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to echo back: the requested one if served, the first served name when absent."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise model_not_found(requested)
+        return requested
+
+    def check_common(self, req: SamplingFields) -> None:
+        unsupported = req.unsupported()
+        if unsupported is not None:
+            raise bad_request(unsupported[1], param=unsupported[0], code="unsupported_parameter")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        max_num_seqs = self.engine.processor.max_num_seqs
+        if req.n > max_num_seqs:
+            raise bad_request(f"n ({req.n}) must not exceed this server's max_num_seqs ({max_num_seqs})", param="n")
+        if req.priority != 0 and self.engine.config.scheduling_policy != "priority":
+            raise bad_request("priority is only honoured with --scheduling-policy priority; this server uses "
+                              f"{self.engine.config.scheduling_policy!r}", param="priority")
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, *,
+                        best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams from the request; a value SamplingParams rejects is a 400 naming its field."""
+        try:
+            return SamplingParams(
+                n=req.n, best_of=best_of, temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
+                top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0),
+                presence_penalty=_default(req.presence_penalty, 0.0),
+                frequency_penalty=_default(req.frequency_penalty, 0.0),
+                repetition_penalty=_default(req.repetition_penalty, 1.0),
+                logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+                seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens)
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of_message(str(e))) from e
+
+    def process(self, prompt: PromptType, params: SamplingParams, prompt_param: str) -> ProcessedPrompt:
+        """Tokenize and validate one prompt; prompt + max_tokens beyond the context is a 400 naming both."""
+        try:
+            processed = self.engine.processor.process(prompt, params)
+        except ValueError as e:
+            param = param_of_message(str(e))
+            raise bad_request(str(e), param=prompt_param if param in (None, "prompt") else param) from e
+        num_prompt, limit = len(processed.token_ids), self.engine.max_model_len
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            where = "messages" if prompt_param == "messages" else "prompt"
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the {where}, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the {where} or completion.",
+                param="max_tokens", code="context_length_exceeded")
+        return processed
+
+    # ---- running -------------------------------------------------------------------------
+    def submit(self, base_id: str, prompts: list[ProcessedPrompt], params: SamplingParams,
+               req: SamplingFields) -> list[RequestStream]:
+        """Queue every prompt, or none: if one is refused (engine full), the others are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(self.engine.add_request(request_id, prompt, params, req.priority, req.cache_salt))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+
+@dataclass
+class StreamingResult:
+    """An SSE body, and the requests behind it: abort them if the body is never (fully) sent."""
+    body: AsyncIterator[str]
+    streams: list[RequestStream]
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of every stream, in order."""
+    final: list[RequestOutput | None] = [None] * len(streams)
+    async for i, output in merge(streams):
+        if output.finished:
+            final[i] = output
+    return final  # type: ignore[return-value]
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from all streams as they arrive. Leaving early aborts every stream."""
+    try:
+        if len(streams) == 1:
+            async for output in streams[0]:
+                yield 0, output
+            return
+        async for item in _merged(streams):
+            yield item
+    finally:
+        for stream in streams:
+            stream.abort()
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+# ---- response pieces ---------------------------------------------------------------------
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def clamp(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+def top_by_rank(entry: dict[int, Logprob], top_n: int) -> list[Logprob]:
+    """The ``top_n`` most likely tokens of a position (the sampled one only if it is among them)."""
+    ranked = [lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n]
+    return sorted(ranked, key=lambda lp: lp.rank)[:top_n]
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    """An error after the stream has started: the status is already 200, so it travels as a data frame."""
+    return sse(from_exception(e).body())

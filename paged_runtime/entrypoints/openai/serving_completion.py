@@ -1,0 +1,167 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) in, completions or an SSE stream out.
+
+Choice ``index`` is ``prompt_index * n + sequence_index``, as in vLLM. With
+``echo`` the prompt's text (and, with ``logprobs``, its logprobs, the first
+position's being null) precedes each choice's text.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from paged_runtime.engine.async_engine import RequestStream
+from paged_runtime.entrypoints.openai.errors import bad_request
+from paged_runtime.entrypoints.openai.protocol import CompletionRequest
+from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
+                                                     merge, new_id, now, sse, sse_error, usage)
+from paged_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+@dataclass
+class _Logprobs:
+    """OpenAI's legacy logprobs object, built position by position."""
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    def add(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.tokens.append(token)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        self.text_offset.append(self.offset)
+        self.offset += len(token)
+
+    def add_positions(self, token_ids: list[int], entries: list[PositionLogprobs]) -> None:
+        for token_id, entry in zip(token_ids, entries):
+            chosen = entry[token_id]
+            self.add(chosen.decoded_token or "", clamp(chosen.logprob),
+                     {lp.decoded_token or "": clamp(lp.logprob) for lp in entry.values()})
+
+    def take(self) -> dict:
+        """The positions added since the last take (a streaming chunk's share)."""
+        body = {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return body
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, req: CompletionRequest) -> dict | StreamingResult:
+        """The response body, or a StreamingResult for ``stream``. Raises before anything runs if the request is bad."""
+        model = self.resolve_model(req.model)
+        self.check_common(req)
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n when streaming", param="best_of")
+        echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
+                                      prompt_logprobs=echo_logprobs)
+        processed = [self.process(p, params, "prompt") for p in _prompts(req.prompt)]
+        request_id = new_id("cmpl")
+        streams = self.submit(request_id, processed, params, req)
+        if req.stream:
+            return StreamingResult(self._stream(req, request_id, model, streams), streams)
+        return self._response(req, request_id, model, await collect(streams))
+
+    # ---- whole response ------------------------------------------------------------------
+    def _response(self, req: CompletionRequest, request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for i, out in enumerate(outputs):
+            prefix = self._prompt_text(out) if req.echo else ""
+            for c in out.outputs:
+                logprobs = self._logprobs(req, out, c.token_ids, c.logprobs or [], echo=req.echo)
+                choices.append({"index": i * req.n + c.index, "text": prefix + c.text,
+                                "logprobs": logprobs.take() if logprobs else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
+                "choices": choices, "usage": _usage(outputs)}
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def _logprobs(self, req: CompletionRequest, out: RequestOutput, token_ids: list[int],
+                  entries: list[PositionLogprobs], echo: bool, into: _Logprobs | None = None) -> _Logprobs | None:
+        if req.logprobs is None:
+            return None
+        lp = into or _Logprobs()
+        if echo:
+            self._add_prompt_positions(lp, out)
+        lp.add_positions(token_ids, entries)
+        return lp
+
+    def _add_prompt_positions(self, lp: _Logprobs, out: RequestOutput) -> None:
+        entries = out.prompt_logprobs or []
+        for pos, token_id in enumerate(out.prompt_token_ids):
+            entry = entries[pos] if pos < len(entries) else None
+            if entry is None or token_id not in entry:  # the first position has no logprob
+                lp.add(self.engine.tokenizer.decode([token_id]), None, None)
+            else:
+                lp.add_positions([token_id], [entry])
+
+    # ---- streaming ---------------------------------------------------------------------
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str,
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        created, finished_outputs = now(), []
+        state = _StreamState()
+        try:
+            async for i, out in merge(streams):
+                choices = [choice for c in out.outputs
+                           if (choice := self._delta_choice(req, state, i, out, c)) is not None]
+                if out.finished:
+                    finished_outputs.append(out)
+                if choices:
+                    yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                               "choices": choices})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": _usage(finished_outputs)})
+        except Exception as e:  # the engine failed mid-stream: tell the client in-band
+            yield sse_error(e)
+        finally:
+            for stream in streams:
+                stream.abort()
+        yield SSE_DONE
+
+    def _delta_choice(self, req: CompletionRequest, state: _StreamState, i: int, out: RequestOutput,
+                      c: CompletionOutput) -> dict | None:
+        index = i * req.n + c.index
+        if index in state.finished:
+            return None
+        first = index not in state.started
+        text = (self._prompt_text(out) if req.echo and first else "") + c.delta_text
+        has_logprobs = req.logprobs is not None and (c.delta_token_ids or (req.echo and first))
+        if not text and c.finish_reason is None and not has_logprobs:
+            return None  # nothing to say yet (the detokenizer may be holding back a partial character)
+        state.started.add(index)
+        logprobs = None
+        if req.logprobs is not None:
+            lp = state.logprobs.setdefault(index, _Logprobs())
+            logprobs = self._logprobs(req, out, c.delta_token_ids, c.delta_logprobs, req.echo and first, lp).take()
+        if c.finish_reason is not None:
+            state.finished.add(index)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+
+@dataclass
+class _StreamState:
+    started: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+    logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # keeps each choice's running text offset
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                 sum(o.num_cached_tokens for o in outputs))

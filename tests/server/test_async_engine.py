@@ -1,0 +1,245 @@
+"""AsyncEngine: the step loop on its thread, streams, cancellation, a failing step, backpressure, idling."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from conftest import assert_idle
+from paged_runtime import SamplingParams
+from paged_runtime.config import EngineConfig
+from paged_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+
+PROMPT = "The quick brown fox jumps over"
+
+
+def make_engine(model_dir, **kwargs) -> AsyncEngine:
+    engine_kwargs = {"dtype": "float32", "debug_checks": True, "max_model_len": 256, "kv_cache_memory": 8 * 2**20}
+    async_kwargs = {k: kwargs.pop(k) for k in ("max_waiting_requests", "stat_loggers") if k in kwargs}
+    return AsyncEngine.from_config(EngineConfig(model=str(model_dir), **engine_kwargs, **kwargs), **async_kwargs)
+
+
+@pytest.fixture
+def engine(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    yield engine
+    engine.shutdown()
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
+    """Waits (bounded) until the loop has no request and the scheduler none either."""
+    deadline = time.monotonic() + timeout
+    while engine.num_unfinished_requests or engine.stats.num_running or engine.stats.num_waiting:
+        assert time.monotonic() < deadline, "engine did not go idle"
+        await asyncio.sleep(0.01)
+
+
+def greedy(max_tokens: int = 24, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
+
+
+def test_generate_streams_increments_and_matches_offline(engine, tiny_llm):
+    async def run():
+        return [out async for out in engine.generate(PROMPT, greedy(), request_id="a")]
+
+    outputs = asyncio.run(run())
+    expected = tiny_llm.generate([PROMPT], greedy(), use_tqdm=False)[0].outputs[0]
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert "".join(o.outputs[0].delta_text for o in outputs) == expected.text
+    assert outputs[-1].outputs[0].token_ids == expected.token_ids
+    assert len(outputs) == 24  # one output per step, one token each
+
+
+def test_concurrent_requests_from_one_loop(engine, tiny_llm):
+    prompts = [f"{PROMPT} {i}" for i in range(6)]
+
+    async def one(i: int) -> str:
+        async for out in engine.generate(prompts[i], greedy(12), request_id=f"r{i}"):
+            pass
+        return out.outputs[0].text
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    texts = asyncio.run(run())
+    assert texts == [o.outputs[0].text for o in tiny_llm.generate(prompts, greedy(12), use_tqdm=False)]
+
+
+def test_breaking_out_aborts_and_frees_blocks(engine):
+    async def run():
+        async for out in engine.generate(PROMPT, greedy(200), request_id="leaver"):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await wait_idle(engine)
+
+    asyncio.run(run())
+    assert_idle(engine)  # every block back in the free queue
+
+
+def test_cancelled_consumer_aborts(engine):
+    async def consume(started: asyncio.Event):
+        async for _ in engine.generate(PROMPT, greedy(200), request_id="cancelled"):
+            started.set()
+
+    async def run():
+        started = asyncio.Event()
+        task = asyncio.create_task(consume(started))
+        await asyncio.wait_for(started.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(engine)
+
+    asyncio.run(run())
+    assert_idle(engine)
+
+
+def test_explicit_abort_ends_stream_with_abort(engine):
+    async def run():
+        stream = engine.add_request("x", PROMPT, greedy(200))
+        first = await stream.__anext__()
+        await engine.abort("x")
+        rest = [out async for out in stream]
+        await engine.abort("unknown-id")  # ignored
+        await wait_idle(engine)
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert not first.finished
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert_idle(engine)
+
+
+def test_invalid_request_raises_before_queueing(engine):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len is 256"):
+            engine.add_request("long", [5] * 300, greedy())
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request("empty", [], greedy())
+        stream = engine.add_request("dup", PROMPT, greedy(50))
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup", PROMPT, greedy())
+        stream.abort()
+        await wait_idle(engine)
+
+    asyncio.run(run())
+
+
+def test_failing_step_fails_requests_and_marks_unhealthy(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    real_step = engine.engine.step
+    calls = 0
+
+    def flaky_step():
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    engine.engine.step = flaky_step
+
+    async def run():
+        streams = [engine.add_request(f"r{i}", PROMPT, greedy(100)) for i in range(3)]
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="device fell over"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", PROMPT, greedy())
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))  # never hangs
+        assert not engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+    finally:
+        engine.shutdown()
+
+
+def test_waiting_queue_bound_raises_overloaded(tiny_llama_dir):
+    """With the engine held inside its second step, queued requests pile up: the limit is exact."""
+    engine = make_engine(tiny_llama_dir, max_num_seqs=1, max_waiting_requests=2)
+    real_step, release, in_step = engine.engine.step, threading.Event(), threading.Event()
+    calls = 0
+
+    def held_step():
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first step has scheduled "running": nothing waits now
+            in_step.set()
+            assert release.wait(30)
+        return real_step()
+
+    engine.engine.step = held_step
+
+    async def run():
+        running = engine.add_request("running", PROMPT, greedy(8))
+        assert await asyncio.to_thread(in_step.wait, 30)
+        queued = [engine.add_request(f"q{i}", PROMPT, greedy(8)) for i in range(2)]
+        with pytest.raises(EngineOverloadedError) as info:
+            engine.add_request("refused", PROMPT, greedy(8))
+        assert info.value.retry_after >= 1
+        release.set()
+        finals = []
+        for stream in [running, *queued]:  # admitted requests are unaffected
+            async for out in stream:
+                pass
+            finals.append(out.outputs[0])
+        return finals
+
+    try:
+        finals = asyncio.run(asyncio.wait_for(run(), 60))
+        assert [len(c.token_ids) for c in finals] == [8, 8, 8]
+        assert [c.finish_reason for c in finals] == ["length"] * 3
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_idle_loop_sleeps(tiny_llama_dir):
+    """After the work is done the loop makes no more passes (it waits on its condition, no polling)."""
+
+    class Counter:
+        def __init__(self):
+            self.passes = 0
+
+        def record(self, stats):
+            self.passes += 1
+
+        def close(self):
+            pass
+
+    counter = Counter()
+    engine = make_engine(tiny_llama_dir, stat_loggers=[counter])
+
+    async def run():
+        async for _ in engine.generate(PROMPT, greedy(4)):
+            pass
+        await wait_idle(engine)
+
+    try:
+        asyncio.run(run())
+        settled = counter.passes
+        time.sleep(0.3)  # a busy loop would make thousands of passes here
+        assert counter.passes == settled
+        assert 4 <= settled <= 8
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_fails_inflight_requests(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+
+    async def run():
+        stream = engine.add_request("r", PROMPT, greedy(200))
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    assert not engine.is_healthy

@@ -1,0 +1,81 @@
+"""``python -m paged_runtime serve``: flags, start-up, a request, the API key from the environment, clean exit."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from paged_runtime.entrypoints.cli import build_parser, parse_bytes
+
+from .conftest import free_socket
+
+VLLM_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--dtype", "--max-model-len", "--max-num-seqs",
+              "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--gpu-memory-utilization",
+              "--enable-prefix-caching", "--no-enable-prefix-caching", "--seed", "--max-waiting-requests",
+              "--scheduling-policy", "--tensor-parallel-size", "--speculative-config"]
+
+
+def test_serve_flags_and_defaults():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    options = {s for action in serve._actions for s in action.option_strings}
+    assert set(VLLM_FLAGS) <= options
+    args = build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port, args.enable_prefix_caching) == (None, "127.0.0.1", 8000, True)
+    args = build_parser().parse_args(["serve", "/m", "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB"])
+    assert (args.model, args.enable_prefix_caching, args.kv_cache_memory) == ("/m", False, 2 * 2**30)
+
+
+@pytest.mark.parametrize("text,value", [("1024", 1024), ("512MiB", 512 * 2**20), ("2G", 2 * 2**30), ("1.5k", 1536)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def run_cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "paged_runtime", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, **kwargs)
+
+
+def test_bad_flags_exit_2_without_loading():
+    proc = run_cli("serve", "--tensor-parallel-size", "2")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--tensor-parallel-size must be 1" in out
+    proc = run_cli("serve", "/no/such/model")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "does not exist" in out
+
+
+def test_serve_end_to_end(tiny_llama_dir):
+    sock = free_socket()  # reserve a free port number, then let the server bind it
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = run_cli("serve", str(tiny_llama_dir), "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+                   "--kv-cache-memory", "8MiB", "--served-model-name", "tiny", "--log-stats-interval", "0.05",
+                   env={"PAGED_RUNTIME_API_KEY": "env-key"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer env-key"}
+        assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 100
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "Avg generation throughput" in out and "Running:" in out and "KV cache usage" in out
