@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for every system; 0 leaves torch's default (one per core)")
     p.add_argument("--skip-hf", action="store_true", help="runtime only")
+    p.add_argument("--mixed-sampling", action="store_true",
+                   help="also run the workload with mixed sampling params and compare with greedy")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/throughput-<dtype>.json)")
     return p.parse_args(argv)
 
@@ -140,8 +142,17 @@ def make_llm(args: argparse.Namespace):
                seed=0)
 
 
-def sampling(output_len: int):
+def sampling(output_len: int, index: int = 0, mixed: bool = False):
+    """Greedy; or, with ``mixed``, by thirds: greedy / top_p 0.9 at T 0.8 with penalties / top_k 20
+    with 5 logprobs (the sampler issue's mix)."""
     from paged_runtime import SamplingParams
+    kind = index % 3 if mixed else 0
+    if kind == 1:
+        return SamplingParams(max_tokens=output_len, temperature=0.8, top_p=0.9, presence_penalty=0.5,
+                              frequency_penalty=0.3, repetition_penalty=1.1, seed=index, ignore_eos=True)
+    if kind == 2:
+        return SamplingParams(max_tokens=output_len, temperature=1.0, top_k=20, logprobs=5, seed=index,
+                              ignore_eos=True)
     return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
 
 
@@ -168,7 +179,7 @@ class KVTracker:
         return {"steps": len(self.paged), "paged": describe(self.paged), "contiguous": describe(self.contiguous)}
 
 
-def run_runtime(llm, work: list[Request]) -> tuple[Result, dict, list[list[int]]]:
+def run_runtime(llm, work: list[Request], mixed: bool = False) -> tuple[Result, dict, list[list[int]]]:
     """All requests submitted at once, engine stepped until idle. Returns result, KV stats, output token ids."""
     engine, core = llm.engine, llm.engine.core
     preempted_before = core.scheduler.num_preemptions
@@ -176,7 +187,7 @@ def run_runtime(llm, work: list[Request]) -> tuple[Result, dict, list[list[int]]
     outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, r in enumerate(work):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt}, sampling(r.output_len))
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt}, sampling(r.output_len, i, mixed))
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -191,7 +202,8 @@ def run_runtime(llm, work: list[Request]) -> tuple[Result, dict, list[list[int]]
     kv = tracker.summary() | {"engine_steps": steps, "num_blocks": core.num_blocks,
                               "block_size": core.config.block_size,
                               "preemptions": core.scheduler.num_preemptions - preempted_before}
-    return Result("paged_runtime", len(work), sum(map(len, ordered)), seconds), kv, ordered
+    name = "paged_runtime (mixed sampling)" if mixed else "paged_runtime"
+    return Result(name, len(work), sum(map(len, ordered)), seconds), kv, ordered
 
 
 def warm_up_runtime(llm, vocab_size: int) -> None:
@@ -390,6 +402,12 @@ def main(argv=None) -> int:
     runtime, kv, runtime_outs = timed(run_runtime, llm, work)
     results = [runtime]
     print(f"paged_runtime: {runtime.output_tokens} tokens in {runtime.seconds:.1f}s", flush=True)
+
+    if args.mixed_sampling:
+        mixed, _, _ = timed(run_runtime, llm, work, True)
+        results.append(mixed)
+        print(f"paged_runtime, mixed sampling: {mixed.tok_s:.1f} tok/s = {mixed.tok_s / runtime.tok_s:.2f}x greedy "
+              "(target: within 10%)", flush=True)
 
     agreement = None
     if not args.skip_hf:

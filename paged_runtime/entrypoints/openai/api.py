@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -39,7 +38,6 @@ from paged_runtime.entrypoints.openai.serving import OpenAIServing, StreamingRes
 from paged_runtime.entrypoints.openai.serving_chat import ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
 
-logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 
@@ -98,8 +96,9 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
-    if task.cancelled():
+            task.cancel()  # the client left first: cancelling the generation aborts its requests
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)  # let the cancellation (and abort) finish
         return None
     return task.result()
 
