@@ -1,0 +1,66 @@
+"""Where a decode step's time goes: torch.profiler over fixed-batch decode steps.
+
+Builds the embedded SmolLM2 (bfloat16), prefills ``--batch`` random prompts
+of ``--context`` tokens, then times ``--steps`` decode steps and profiles
+three more. Prints ms/step, tok/s and the top operators by self CPU time;
+writes benchmarks/results/profile-step-b<batch>-c<context>.json.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_step.py --batch 128 --context 300
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+from paged_runtime import LLM, SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args(argv)
+    llm = LLM(dtype="bfloat16", max_model_len=2048, kv_cache_memory=2 * 2**30, max_num_seqs=256,
+              max_num_batched_tokens=4096)
+    engine, rng = llm.engine, random.Random(0)
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, 49000) for _ in range(args.context)], params)
+    while any(r.num_computed_tokens < args.context for r in engine.core.scheduler.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_s = (time.perf_counter() - start) / args.steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    rows = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3000, "share": e.self_cpu_time_total / total}
+            for e in events]
+    print(f"batch {args.batch} x context {args.context}: {step_s * 1000:.1f} ms/step, {args.batch / step_s:.0f} tok/s")
+    print(f"{'operator':55s} {'ms/step':>9s} {'share':>7s}")
+    for r in rows:
+        print(f"{r['op'][:55]:55s} {r['self_ms_per_step']:9.1f} {r['share']:7.1%}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"profile-step-b{args.batch}-c{args.context}.json"
+    out.write_text(json.dumps({"parameters": vars(args), "ms_per_step": step_s * 1000,
+                               "tok_s": args.batch / step_s, "top_ops": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
