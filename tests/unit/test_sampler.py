@@ -99,3 +99,13 @@ def test_per_row_generators_are_independent_of_neighbours():
     crowd = Sampler(torch.Generator().manual_seed(5))(
         LOGITS.expand(3, -1).clone(), SamplingMetadata(torch.ones(3), False, [None, gen(), None])).token_ids
     assert crowd[1] == alone[0]
+
+
+def test_top_p_fallback_to_a_full_sort_gives_the_same_mask(monkeypatch):
+    from paged_runtime.sample import sampler
+    logits = torch.randn(4, 300) * 3
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0])
+    fast = apply_top_k_top_p(logits, None, top_p)
+    monkeypatch.setattr(sampler, "_TOP_P_CANDIDATES", 2)  # too few: every row falls back
+    assert torch.equal(torch.isfinite(apply_top_k_top_p(logits, None, top_p)), torch.isfinite(fast))
+    assert torch.equal(fast[3], logits[3])
