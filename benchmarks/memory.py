@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import FIRST_ORDINARY_ID, RESULTS, lognormal_lengths, machine_info  # noqa: E402
+from throughput import RESULTS, machine_info  # noqa: E402
+from workload import FIRST_ORDINARY_ID, make_workload  # noqa: E402
 
 from paged_runtime import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 
@@ -77,14 +78,12 @@ def drive(llm: LLM, on_step) -> None:
 
 # ---- (a) paging ------------------------------------------------------------------
 def paging(args) -> dict:
-    rng = np.random.default_rng(args.seed)
     n = args.num_requests
-    prompts = np.minimum(lognormal_lengths(rng, args.prompt_mean, 0.8, n), args.max_model_len // 2)
-    outputs = np.minimum(lognormal_lengths(rng, args.output_mean, 0.8, n), args.max_model_len - prompts)
+    work = make_workload(args.seed, n, args.prompt_mean, args.output_mean, 0.8, args.max_model_len, VOCAB)
     llm = make_llm(args.max_model_len, args.kv_blocks, max_num_batched_tokens=2048)
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        llm.engine.add_request(f"r{i}", rng.integers(FIRST_ORDINARY_ID, VOCAB, int(p)).tolist(),
-                               SamplingParams(max_tokens=int(o), temperature=0, ignore_eos=True))
+    for i, r in enumerate(work):
+        llm.engine.add_request(f"r{i}", r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0,
+                                                                 ignore_eos=True))
     samples, saturated = [], []
     scheduler = llm.engine.core.scheduler
     # While requests still wait, the budget (not the workload) limits concurrency: that is the
@@ -99,7 +98,7 @@ def paging(args) -> dict:
                   "utilization_mean": statistics.mean(utilization), "utilization_min": min(utilization),
                   "preemptions": llm.engine.core.scheduler.num_preemptions},
         "contiguous_max_model_len": {"max_running": budget_tokens // args.max_model_len},
-        "contiguous_oracle": {"max_running": int(budget_tokens // float(np.mean(prompts + outputs)))},
+        "contiguous_oracle": {"max_running": int(budget_tokens // float(np.mean([len(r.prompt) + r.output_len for r in work])))},
     }
 
 

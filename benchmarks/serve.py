@@ -44,14 +44,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import FIRST_ORDINARY_ID, Request, make_workload  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-FIRST_ORDINARY_ID = 3  # SmolLM2's special tokens are ids 0..2
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    output_len: int
 
 
 @dataclass
@@ -89,22 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(args.num_requests) not in (1, len(args.max_concurrency)):
         p.error("--num-requests takes one value or one per --max-concurrency value")
     return args
-
-
-def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
-    """Integer lengths >= 1 whose (uncapped) mean is ``mean`` (as in throughput.py)."""
-    mu = np.log(mean) - sigma ** 2 / 2
-    return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(int)
-
-
-def make_workload(args: argparse.Namespace, num_requests: int) -> list[Request]:
-    """throughput.py's workload: the first ``num_requests`` of the same seeded draw."""
-    rng = np.random.default_rng(args.seed)
-    n, cap = num_requests, args.max_model_len
-    prompt_lens = np.minimum(lognormal_lengths(rng, args.prompt_mean, args.sigma, n), cap // 2)
-    output_lens = np.minimum(lognormal_lengths(rng, args.output_mean, args.sigma, n), cap - prompt_lens)
-    return [Request(rng.integers(FIRST_ORDINARY_ID, args.vocab_size, int(p)).tolist(), int(o))
-            for p, o in zip(prompt_lens, output_lens)]
 
 
 def arrival_gaps(args: argparse.Namespace, n: int) -> np.ndarray:
@@ -276,7 +256,8 @@ async def run(args: argparse.Namespace) -> dict:
         levels = []
         for i, concurrency in enumerate(args.max_concurrency):
             num_requests = args.num_requests[min(i, len(args.num_requests) - 1)]
-            work = make_workload(args, num_requests)
+            work = make_workload(args.seed, num_requests, args.prompt_mean, args.output_mean, args.sigma,
+                                 args.max_model_len, args.vocab_size)
             await warm_up(args, client, model)
             print(f"max concurrency {concurrency}: {num_requests} requests, "
                   f"{sum(r.output_len for r in work)} output tokens ...", flush=True)

@@ -59,17 +59,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import FIRST_ORDINARY_ID, Request, make_workload  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"vs_hf_single": 30.0, "vs_hf_static": 3.0, "output_tok_s": 600.0, "kv_utilization": 0.97,
            "mixed_vs_greedy": 0.9}
 BUSY_LIMIT = 0.3  # cores busy with other work above which a figure is flagged as distorted
-FIRST_ORDINARY_ID = 3  # SmolLM2's special tokens are ids 0..2
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    output_len: int
 
 
 @dataclass
@@ -110,21 +106,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the workload with mixed sampling params and compare with greedy")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/throughput-<dtype>.json)")
     return p.parse_args(argv)
-
-
-def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
-    """Integer lengths >= 1 whose (uncapped) mean is ``mean``."""
-    mu = np.log(mean) - sigma ** 2 / 2
-    return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(int)
-
-
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
-    rng = np.random.default_rng(args.seed)
-    n, cap = args.num_requests, args.max_model_len
-    prompt_lens = np.minimum(lognormal_lengths(rng, args.prompt_mean, args.sigma, n), cap // 2)
-    output_lens = np.minimum(lognormal_lengths(rng, args.output_mean, args.sigma, n), cap - prompt_lens)
-    return [Request(rng.integers(FIRST_ORDINARY_ID, vocab_size, int(p)).tolist(), int(o))
-            for p, o in zip(prompt_lens, output_lens)]
 
 
 def workload_summary(work: list[Request]) -> dict:
@@ -400,7 +381,8 @@ def main(argv=None) -> int:
               "slows down many-fold when cores are shared, so figures will be distorted", flush=True)
     llm = make_llm(args)
     vocab = llm.engine.core.runner.model.config.vocab_size
-    work = make_workload(args, vocab)
+    work = make_workload(args.seed, args.num_requests, args.prompt_mean, args.output_mean, args.sigma,
+                         args.max_model_len, vocab)
     print(f"workload: {json.dumps(workload_summary(work))}", flush=True)
 
     warm_up_runtime(llm, vocab)
