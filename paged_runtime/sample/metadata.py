@@ -27,9 +27,12 @@ def build_sampling_metadata(requests: list[Request], generators: list[torch.Gene
             meta.min_p = floats([p.min_p for p in params])
     meta.logit_bias = _logit_bias(requests, device)
     if any(p.has_penalties for p in params):
-        meta.penalties = _penalties(requests, vocab_size, device)
-    asked = [p.logprobs or 0 for p in params if p.needs_logprobs]
-    meta.num_logprobs = max(asked) if asked else None
+        meta.penalties = _penalties(requests, device)
+    asked = [i for i, p in enumerate(params) if p.needs_logprobs]
+    if asked:
+        meta.num_logprobs = max(params[i].logprobs or 0 for i in asked)
+        if len(asked) < len(params):
+            meta.logprob_rows = torch.tensor(asked, device=device)
     return meta
 
 
@@ -50,26 +53,20 @@ def _logit_bias(requests: list[Request], device: torch.device):
             torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _penalties(requests: list[Request], vocab_size: int, device: torch.device) -> Penalties:
-    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
-    chosen = [requests[i] for i in rows]
-    prompts = _padded([r.prompt_token_ids for r in chosen], vocab_size)
-    outputs = _padded([r.output_token_ids for r in chosen], vocab_size)
-    # One spare column takes the padding, then is dropped.
-    prompt_mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-    prompt_mask.scatter_(1, torch.from_numpy(prompts).to(device), True)
-    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
-    index = torch.from_numpy(outputs).to(device)
-    counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
-    floats = lambda values: torch.tensor(values, dtype=torch.float32, device=device)
-    return Penalties(torch.tensor(rows, device=device), prompt_mask[:, :vocab_size], counts[:, :vocab_size],
-                     floats([r.params.repetition_penalty for r in chosen]),
-                     floats([r.params.frequency_penalty for r in chosen]),
-                     floats([r.params.presence_penalty for r in chosen]))
-
-
-def _padded(lists: list[list[int]], pad: int) -> np.ndarray:
-    out = np.full((len(lists), max(1, max(len(x) for x in lists))), pad, dtype=np.int64)
-    for row, values in zip(out, lists):
-        row[:len(values)] = values
-    return out
+def _penalties(requests: list[Request], device: torch.device) -> Penalties:
+    """One entry per distinct token a penalised row has seen, with its count in the output."""
+    rows, token_ids, counts, per_row = [], [], [], []
+    for row, request in enumerate(requests):
+        p = request.params
+        if not p.has_penalties:
+            continue
+        ids, inverse = np.unique(np.asarray(request.all_token_ids, dtype=np.int64), return_inverse=True)
+        output_counts = np.bincount(inverse[request.num_prompt_tokens:], minlength=len(ids))
+        rows.append(np.full(len(ids), row)), token_ids.append(ids), counts.append(output_counts)
+        per_row.append((len(ids), p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+    sizes = [n for n, *_ in per_row]
+    tensor = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype)).to(device)
+    per_entry = lambda k: torch.from_numpy(np.repeat(np.array([x[k] for x in per_row], dtype=np.float32),
+                                                     sizes)).to(device)
+    return Penalties(tensor(rows, np.int64), tensor(token_ids, np.int64), tensor(counts, np.float32),
+                     per_entry(1), per_entry(2), per_entry(3))

@@ -1,17 +1,24 @@
 """Turns the logits of the sampled rows into next tokens, batched, in vLLM's order.
 
-1. raw logprobs (log_softmax of the model's logits) when any row asks for logprobs;
+1. raw logprobs (log_softmax of the model's logits) for the rows that ask;
 2. logit bias, and min_tokens (EOS and stop tokens masked until reached);
 3. penalties: repetition over prompt + output, presence / frequency over output;
 4. greedy rows take the argmax here;
 5. temperature, min_p, top-k / top-p;
 6. a random draw by the exponential race (argmax of p / Exp(1) noise): no
-   ``multinomial``, no host sync. A seeded request draws its noise from its
-   own generator, so its tokens do not depend on what else is in the batch;
+   ``multinomial``, no host sync per request. A seeded request draws its noise
+   from its own generator, so its tokens do not depend on what else is in the batch;
 7. logprobs of the sampled token (and its rank) and the top ones, from step 1.
 
+Rows with a top-k / top-p / min_p filter are sampled among their most likely
+candidates (a top-k of 64, then 1,024, tokens): the filtered support almost
+always fits, and a row's noise then covers only its support instead of the
+whole vocabulary. Whether a row fits, and how many noise values it draws,
+depends on that row alone, which keeps seeded draws batch-invariant. Rows that
+do not fit, and unfiltered rows, race over the full vocabulary.
+
 Each stage runs only when some row needs it; per-request data is gathered
-into dense tensors once per step by the model runner.
+into dense (or, for penalties, sparse) tensors once per step by the model runner.
 """
 from __future__ import annotations
 
@@ -22,12 +29,13 @@ import torch
 
 @dataclass(slots=True)
 class Penalties:
-    rows: torch.Tensor  # [P] which rows have penalties
-    prompt_mask: torch.Tensor  # [P, V] bool: token occurs in the prompt
-    output_counts: torch.Tensor  # [P, V] float: occurrences in the output so far
-    repetition: torch.Tensor  # [P]
-    frequency: torch.Tensor  # [P]
-    presence: torch.Tensor  # [P]
+    """Sparse: one entry per (row, token) the row has seen, in its prompt or its output."""
+    rows: torch.Tensor  # [E] int64
+    token_ids: torch.Tensor  # [E] int64
+    output_counts: torch.Tensor  # [E] float: occurrences in the output so far (0: prompt only)
+    repetition: torch.Tensor  # [E] the entry's row's penalty
+    frequency: torch.Tensor  # [E]
+    presence: torch.Tensor  # [E]
 
 
 @dataclass(slots=True)
@@ -42,6 +50,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
     num_logprobs: int | None = None  # top-k to gather for the rows that asked (max over them)
+    logprob_rows: torch.Tensor | None = None  # [L] the rows that asked; None = every row
 
 
 @dataclass(slots=True)
@@ -55,14 +64,13 @@ class SamplerOutput:
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     """vLLM's definitions: repetition divides positive / multiplies negative logits of seen
-    tokens; frequency subtracts count * penalty; presence subtracts penalty once."""
-    rows = logits[p.rows]
-    seen = p.prompt_mask | (p.output_counts > 0)
-    rep = p.repetition.unsqueeze(1)
-    rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
-    rows -= p.frequency.unsqueeze(1) * p.output_counts
-    rows -= p.presence.unsqueeze(1) * (p.output_counts > 0)
-    logits[p.rows] = rows
+    tokens; frequency subtracts count * penalty; presence subtracts penalty once. In place,
+    touching only the seen (row, token) entries."""
+    seen = logits[p.rows, p.token_ids]
+    seen = torch.where(seen > 0, seen / p.repetition, seen * p.repetition)
+    seen -= p.frequency * p.output_counts
+    seen -= p.presence * (p.output_counts > 0)
+    logits[p.rows, p.token_ids] = seen
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -72,51 +80,46 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-# Top-p looks for the nucleus among this many most likely tokens first; a full sort of the
-# vocabulary (~100 ms for 64 rows of 49k here) is only the fallback for very flat rows.
-_TOP_P_CANDIDATES = 1024
-
-
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) every logit outside the row's top-k, then outside its top-p nucleus (the
-    smallest set of most likely tokens whose mass reaches p). Rows with the filter off are untouched."""
+    """Mask (to -inf) every logit outside the row's top-k (ties with the k-th kept), then outside
+    its top-p nucleus: the smallest set of most likely tokens whose renormalised mass reaches p.
+    Full-vocabulary reference; the sampler's candidate path gives the same support."""
     vocab = logits.shape[-1]
     if top_k is not None:
         rows = (top_k < vocab).nonzero().squeeze(1)
         if rows.numel():
             logits = logits.clone()
-            logits[rows] = _top_k(logits[rows], top_k[rows])
+            k = top_k[rows].clamp(min=1)
+            kth = logits[rows].topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            logits[rows] = logits[rows].masked_fill(logits[rows] < kth, float("-inf"))
     if top_p is not None:
         rows = (top_p < 1).nonzero().squeeze(1)
         if rows.numel():
             logits = logits.clone()
-            logits[rows] = _top_p(logits[rows], top_p[rows])
+            sorted_logits, order = logits[rows].sort(dim=-1)  # ascending
+            outside = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p[rows]).unsqueeze(1)
+            outside[:, -1] = False  # the top token always survives
+            logits[rows] = torch.empty_like(sorted_logits).scatter_(
+                1, order, sorted_logits.masked_fill(outside, float("-inf")))
     return logits
 
 
-def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    k = k.clamp(min=1)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    return logits.masked_fill(logits < kth, float("-inf"))
+# Candidate widths tried in turn for filtered rows; rows whose support fits in none race over the vocabulary.
+_CANDIDATE_WIDTHS = (64, 1024)
 
 
-def _top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    probs = logits.softmax(dim=-1)
-    top = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)
-    cumulative = top.values.cumsum(dim=-1)
-    if not bool((cumulative[:, -1] >= p).all()):
-        return _top_p_sorted(logits, p)
-    # Keep a token while the mass strictly above it is below p (the top token always stays).
-    num_kept = ((cumulative - top.values) < p.unsqueeze(1)).sum(dim=-1)
-    cutoff = top.values.gather(1, (num_kept - 1).unsqueeze(1))
-    return logits.masked_fill(probs < cutoff, float("-inf"))
+@dataclass(slots=True)
+class _Rows:
+    """The sampled rows' own slice of the metadata (temperature already applied to ``logits``)."""
+    logits: torch.Tensor  # [R, V]
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    generators: list[torch.Generator | None]
 
-
-def _top_p_sorted(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    outside = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - p).unsqueeze(1)
-    outside[:, -1] = False  # the top token always survives
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(outside, float("-inf")))
+    def take(self, index: list[int]) -> _Rows:
+        at = torch.tensor(index, device=self.logits.device)
+        pick = lambda t: t[at] if t is not None else None
+        return _Rows(self.logits[at], pick(self.top_k), pick(self.top_p), [self.generators[i] for i in index])
 
 
 class Sampler:
@@ -124,47 +127,138 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        source = logits
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if meta.num_logprobs is not None else None
+        raw_logprobs = None
+        if meta.num_logprobs is not None:
+            asked = logits if meta.logprob_rows is None else logits[meta.logprob_rows]
+            raw_logprobs = asked.log_softmax(dim=-1)
         if meta.logit_bias is not None or meta.penalties is not None:
-            logits = logits.clone()
+            if logits.data_ptr() == source.data_ptr():
+                logits = logits.clone()  # the caller's tensor stays untouched
             if meta.logit_bias is not None:
                 rows, cols, values = meta.logit_bias
                 logits.index_put_((rows, cols), values, accumulate=True)
             if meta.penalties is not None:
                 apply_penalties(logits, meta.penalties)
-        tokens = logits.argmax(dim=-1)
-        if not meta.all_greedy:
-            tokens = torch.where(meta.temperature < 1e-5, tokens, self._sample(logits, meta))
-        return self._with_logprobs(tokens, raw_logprobs, meta.num_logprobs)
+        if meta.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._greedy_and_sampled(logits, meta)
+        return self._with_logprobs(tokens, raw_logprobs, meta)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(meta.temperature < 1e-5, 1.0, meta.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        probs = apply_top_k_top_p(logits, meta.top_k, meta.top_p).softmax(dim=-1)
-        return probs.div_(self._exponential_noise(probs, meta.generators)).argmax(dim=-1)
+    def _greedy_and_sampled(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy = meta.temperature < 1e-5
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        greedy_rows, sampled_rows = greedy.nonzero().squeeze(1), (~greedy).nonzero().squeeze(1)
+        if greedy_rows.numel():
+            tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        if sampled_rows.numel():
+            pick = lambda t: t[sampled_rows] if t is not None else None
+            scaled = logits[sampled_rows].div_(meta.temperature[sampled_rows].unsqueeze(1))
+            if meta.min_p is not None:
+                scaled = apply_min_p(scaled, meta.min_p[sampled_rows])
+            generators = [meta.generators[i] for i in sampled_rows.tolist()]
+            tokens[sampled_rows] = self._sample(_Rows(scaled, pick(meta.top_k), pick(meta.top_p), generators),
+                                                filtered=pick(self._filtered(meta, logits.shape[-1])))
+        return tokens
 
     @staticmethod
-    def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor | None, k: int | None) -> SamplerOutput:
-        if raw is None:
-            return SamplerOutput(tokens)
-        sampled = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        ranks = (raw > sampled.unsqueeze(1)).sum(dim=-1) + 1
-        top = raw.topk(k, dim=-1) if k else None
-        return SamplerOutput(tokens, sampled, ranks, top.indices if top else None, top.values if top else None)
+    def _filtered(meta: SamplingMetadata, vocab: int) -> torch.Tensor:
+        """[N] bool: a filter can make the row's support smaller than the vocabulary."""
+        filtered = torch.zeros_like(meta.temperature, dtype=torch.bool)
+        if meta.top_k is not None:
+            filtered |= meta.top_k < vocab
+        if meta.top_p is not None:
+            filtered |= meta.top_p < 1
+        if meta.min_p is not None:
+            filtered |= meta.min_p > 0
+        return filtered
 
-    def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        noise = torch.empty_like(probs)
+    def _sample(self, rows: _Rows, filtered: torch.Tensor) -> torch.Tensor:
+        tokens = torch.empty(rows.logits.shape[0], dtype=torch.long, device=rows.logits.device)
+        pending = filtered.nonzero().squeeze(1).tolist()
+        for width in _CANDIDATE_WIDTHS:
+            if not pending:
+                break
+            fits, chosen = self._sample_candidates(rows.take(pending), width)
+            fit_list = fits.tolist()
+            done = [row for row, ok in zip(pending, fit_list) if ok]
+            if done:
+                tokens[torch.tensor(done, device=tokens.device)] = chosen[fits]
+            pending = [row for row, ok in zip(pending, fit_list) if not ok]
+        wide = sorted(pending + (~filtered).nonzero().squeeze(1).tolist())
+        if wide:
+            tokens[torch.tensor(wide, device=tokens.device)] = self._sample_vocabulary(rows.take(wide))
+        return tokens
+
+    def _sample_candidates(self, rows: _Rows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Race among each row's ``width`` most likely tokens. Returns (fits [R] bool, tokens [R]);
+        a row fits when no token outside its candidates can be in its filtered support."""
+        logits, vocab = rows.logits, rows.logits.shape[-1]
+        width = min(width, vocab)
+        values, ids = logits.topk(width, dim=-1)  # descending; -inf (min_p) sorts last
+        keep = torch.isfinite(values)
+        fits = ~keep[:, -1] if width < vocab else torch.ones_like(keep[:, 0])
+        normaliser = logits.logsumexp(dim=-1, keepdim=True)
+        if rows.top_k is not None:
+            k = rows.top_k.clamp(min=1)
+            active = k < vocab
+            within = active & (k <= width)
+            kth = values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+            keep &= ~within.unsqueeze(1) | (values >= kth)
+            fits |= within
+            # Top-p after top-k renormalises over the top-k set: known only when it lies within.
+            top_k_mass = values.masked_fill(~keep, float("-inf")).logsumexp(dim=-1, keepdim=True)
+            normaliser = torch.where(within.unsqueeze(1), top_k_mass, normaliser)
+        if rows.top_p is not None:
+            probs = (values - normaliser).exp().masked_fill(~keep, 0)
+            cumulative = probs.cumsum(dim=-1)
+            active = rows.top_p < 1
+            # Keep a token while the mass strictly above it is below p (the top token always stays).
+            keep &= ((cumulative - probs) < rows.top_p.unsqueeze(1)) | ~active.unsqueeze(1)
+            closes = active & (cumulative[:, -1] >= rows.top_p)
+            if rows.top_k is not None:  # the renormalised mass is only right when top-k lies within
+                closes &= (rows.top_k >= vocab) | (rows.top_k <= width)
+            fits |= closes
+        support = keep.sum(dim=-1).masked_fill(~fits, 0)  # rows that do not fit draw nothing here
+        weights = (values - values[:, :1]).exp().masked_fill(~keep, 0)
+        noise = self._noise(weights, rows.generators, support.tolist())
+        return fits, ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+    def _sample_vocabulary(self, rows: _Rows) -> torch.Tensor:
+        probs = apply_top_k_top_p(rows.logits, rows.top_k, rows.top_p).softmax(dim=-1)
+        return probs.div_(self._noise(probs, rows.generators, None)).argmax(dim=-1)
+
+    def _noise(self, like: torch.Tensor, generators: list[torch.Generator | None],
+               lengths: list[int] | None) -> torch.Tensor:
+        """Exp(1) noise shaped like ``like``. Seeded rows draw only their first ``lengths[i]``
+        values (all when None) from their own generator; the rest of their row is 1."""
+        noise = torch.ones_like(like) if lengths is not None else torch.empty_like(like)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(generators):
             return noise.exponential_(generator=self.generator)
         if shared:
-            rows = torch.tensor(shared, device=probs.device)
-            noise[rows] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+            at = torch.tensor(shared, device=like.device)
+            noise[at] = torch.empty(len(shared), like.shape[1], device=like.device).exponential_(
                 generator=self.generator)
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
+                noise[i, :like.shape[1] if lengths is None else lengths[i]].exponential_(generator=g)
         return noise
+
+    @staticmethod
+    def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor | None, meta: SamplingMetadata) -> SamplerOutput:
+        """Logprob outputs are [N] (and [N, k]); rows that did not ask hold zeros."""
+        if raw is None:
+            return SamplerOutput(tokens)
+        rows = meta.logprob_rows
+        picked = tokens if rows is None else tokens[rows]
+        sampled = raw.gather(1, picked.unsqueeze(1)).squeeze(1)
+        ranks = (raw > sampled.unsqueeze(1)).sum(dim=-1) + 1
+        top = raw.topk(meta.num_logprobs, dim=-1) if meta.num_logprobs else None
+        if rows is None:
+            return SamplerOutput(tokens, sampled, ranks, top.indices if top else None, top.values if top else None)
+        scatter = lambda values: values.new_zeros((tokens.shape[0],) + values.shape[1:]).index_copy_(0, rows, values)
+        return SamplerOutput(tokens, scatter(sampled), scatter(ranks), scatter(top.indices) if top else None,
+                             scatter(top.values) if top else None)

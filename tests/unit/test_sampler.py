@@ -1,6 +1,7 @@
 """Sampler: exact filtering, and empirical frequencies that match the filtered distribution."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paged_runtime.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
@@ -101,11 +102,71 @@ def test_per_row_generators_are_independent_of_neighbours():
     assert crowd[1] == alone[0]
 
 
-def test_top_p_fallback_to_a_full_sort_gives_the_same_mask(monkeypatch):
+@pytest.fixture(params=[(64, 1024), (4,), (2,), ()], ids=["candidates", "width-4", "width-2", "vocabulary"])
+def candidate_widths(request, monkeypatch):
+    """Runs a test with each candidate-width ladder: every filtered row fits (V = 6 <= 64), the
+    3-token supports fit, none fits (fallback after a try), and no candidate path at all."""
     from paged_runtime.sample import sampler
+    monkeypatch.setattr(sampler, "_CANDIDATE_WIDTHS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("filters, keep", [
+    (dict(temperature=1.3, top_k=3), [0, 1, 2]),
+    (dict(temperature=1.0, top_p=0.8), [0, 1, 2]),
+    (dict(temperature=1.0, min_p=0.2), [0, 1, 2]),
+    (dict(temperature=1.0, min_p=0.2, top_p=0.8), [0, 1]),
+    # top-p over the renormalised top 4 (0.614 0.203 0.116 0.067) drops token 3; over the full softmax it would not.
+    (dict(temperature=0.9, top_k=4, top_p=0.92), [0, 1, 2]),
+])
+def test_filtered_frequencies_match_on_every_path(candidate_widths, filters, keep):
+    samples = draw(LOGITS, 40_000, **filters)
+    stat, df = chi_square(samples, expected_probs(filters["temperature"], keep))
+    assert stat < CHI2_P001_DF[df], stat
+
+
+def test_candidate_path_support_equals_the_full_vocabulary_filter(monkeypatch):
+    """On a 300-token vocabulary, whatever width a row fits in, it only ever samples tokens the
+    full-vocabulary reference filter keeps, and it reaches all of a small support."""
+    from paged_runtime.sample import sampler
+    torch.manual_seed(1)
+    logits = torch.randn(6, 300) * 4
+    top_k = torch.tensor([5, 300, 300, 40, 300, 2])
+    top_p = torch.tensor([1.0, 0.5, 0.95, 0.9, 0.999, 1.0])
+    reference = torch.isfinite(apply_top_k_top_p(logits, top_k, top_p))
+    for widths in [(8,), (8, 64), (300,)]:
+        monkeypatch.setattr(sampler, "_CANDIDATE_WIDTHS", widths)
+        num = 3000
+        rows = logits.repeat_interleave(num, 0)
+        meta = SamplingMetadata(torch.ones(6 * num), False, [None] * (6 * num), top_k=top_k.repeat_interleave(num),
+                                top_p=top_p.repeat_interleave(num))
+        tokens = Sampler(torch.Generator().manual_seed(0))(rows, meta).token_ids.view(6, num)
+        hit = torch.zeros_like(reference).scatter_(1, tokens, True)
+        assert not (hit & ~reference).any(), widths
+        assert torch.equal(hit[0], reference[0]) and torch.equal(hit[5], reference[5])
+
+
+def test_seeded_rows_ignore_which_path_their_neighbours_take():
+    torch.manual_seed(2)
     logits = torch.randn(4, 300) * 3
-    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0])
-    fast = apply_top_k_top_p(logits, None, top_p)
-    monkeypatch.setattr(sampler, "_TOP_P_CANDIDATES", 2)  # too few: every row falls back
-    assert torch.equal(torch.isfinite(apply_top_k_top_p(logits, None, top_p)), torch.isfinite(fast))
-    assert torch.equal(fast[3], logits[3])
+    gen = lambda: torch.Generator().manual_seed(7)
+    # Row 1 fits in the candidates; row 0 is unfiltered (vocabulary path); rows 2-3 are flat and fall back.
+    crowd_logits = torch.stack([logits[0], logits[1], torch.zeros(300), torch.zeros(300)])
+    crowd_meta = lambda: SamplingMetadata(torch.ones(4), False, [None, gen(), gen(), None],
+                                          top_k=torch.tensor([300, 10, 300, 300]),
+                                          top_p=torch.tensor([1.0, 0.9, 0.99, 0.5]))
+    alone_meta = lambda: SamplingMetadata(torch.ones(1), False, [gen()], top_k=torch.tensor([10]),
+                                          top_p=torch.tensor([0.9]))
+    for seed in range(20):
+        alone = Sampler(torch.Generator().manual_seed(seed))(logits[1:2].clone(), alone_meta()).token_ids
+        crowd = Sampler(torch.Generator().manual_seed(seed + 100))(crowd_logits.clone(), crowd_meta()).token_ids
+        assert crowd[1] == alone[0]
+
+
+def test_top_p_one_keeps_the_whole_top_k():
+    # Rounding in a cumulative sum must not drop the last top-k token when top-p is off.
+    logits = -0.01 * torch.arange(50.0).unsqueeze(0)
+    meta = SamplingMetadata(torch.ones(20_000), False, [None] * 20_000, top_k=torch.full((20_000,), 7),
+                            top_p=torch.ones(20_000))
+    tokens = Sampler(torch.Generator().manual_seed(0))(logits.expand(20_000, -1).clone(), meta).token_ids
+    assert set(tokens.tolist()) == set(range(7))
