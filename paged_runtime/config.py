@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from paged_runtime.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -23,6 +26,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     served_model_name: str | None = None
     debug_checks: bool = False  # check block-accounting invariants after every step
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} as in vLLM, or its JSON.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):
@@ -36,6 +41,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

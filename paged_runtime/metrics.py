@@ -55,6 +55,11 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # Speculative decoding in this pass: verifications, drafts, accepted drafts (total and per position).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class StatLogger(Protocol):
@@ -80,6 +85,10 @@ class _Families:
     queue_time: Histogram
     prompt_len: Histogram
     generation_len: Histogram
+    spec_drafts: Counter
+    spec_draft_tokens: Counter
+    spec_accepted_tokens: Counter
+    spec_accepted_per_pos: Counter
 
 
 # The one piece of module state: metric families per registry (weak, so a test's registry can go away).
@@ -124,6 +133,12 @@ def _create_families(registry: CollectorRegistry) -> _Families:
                              buckets=length_buckets, **kw),
         generation_len=Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                  buckets=length_buckets, **kw),
+        spec_drafts=Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", **kw),
+        spec_draft_tokens=Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", **kw),
+        spec_accepted_tokens=Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", **kw),
+        spec_accepted_per_pos=Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labelnames=label + ["position"],
+                                      registry=registry),
     )
 
 
@@ -144,6 +159,9 @@ class PrometheusStatLogger:
         self.success = {reason: f.request_success.labels(name, reason) for reason in self.FINISH_REASONS}
         self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_len, self.generation_len = (
             h.labels(name) for h in (f.ttft, f.itl, f.e2e, f.queue_time, f.prompt_len, f.generation_len))
+        self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens = (
+            c.labels(name) for c in (f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens))
+        self.spec_positions: list[str] = []  # position labels bound so far
 
     def record(self, stats: IterationStats) -> None:
         self.running.set(stats.num_running)
@@ -151,9 +169,18 @@ class PrometheusStatLogger:
         self.kv_usage.set(stats.kv_cache_usage)
         for counter, value in ((self.prefix_queries, stats.num_prefix_queries), (self.prefix_hits, stats.num_prefix_hits),
                                (self.preemptions, stats.num_preemptions), (self.prompt_tokens, stats.num_prompt_tokens),
-                               (self.generation_tokens, stats.num_generation_tokens)):
+                               (self.generation_tokens, stats.num_generation_tokens),
+                               (self.spec_drafts, stats.num_spec_drafts),
+                               (self.spec_draft_tokens, stats.num_spec_draft_tokens),
+                               (self.spec_accepted_tokens, stats.num_spec_accepted_tokens)):
             if value:
                 counter.inc(value)
+        for position, accepted in enumerate(stats.spec_accepted_per_position):
+            series = self.families.spec_accepted_per_pos.labels(self.model_name, str(position))
+            if str(position) not in self.spec_positions:
+                self.spec_positions.append(str(position))
+            if accepted:
+                series.inc(accepted)
         for histogram, values in ((self.ttft, stats.time_to_first_tokens), (self.itl, stats.inter_token_latencies),
                                   (self.queue_time, stats.queue_times)):
             for value in values:
@@ -173,8 +200,10 @@ class PrometheusStatLogger:
         f = self.families
         for family in (f.running, f.waiting, f.kv_usage, f.prefix_queries, f.prefix_hits, f.preemptions,
                        f.prompt_tokens, f.generation_tokens, f.ttft, f.itl, f.e2e, f.queue_time, f.prompt_len,
-                       f.generation_len):
+                       f.generation_len, f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens):
             _remove(family, self.model_name)
+        for position in self.spec_positions:
+            _remove(f.spec_accepted_per_pos, self.model_name, position)
         for reason in self.success:
             _remove(f.request_success, self.model_name, reason)
 

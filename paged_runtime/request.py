@@ -59,6 +59,7 @@ class Request:
     # Beam search: the sampled token is a placeholder until the driver picks this beam's next
     # token; a paused request is not scheduled.
     paused: bool = False
+    speculative: bool = True  # may verify draft tokens (beam search sequences may not)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -72,7 +73,7 @@ class Request:
         request_id = request_id or child_request_id(self.group_id, index)
         child = Request(request_id, self.prompt_token_ids, self.params, self.arrival,
                         self.max_tokens, self.eos_token_ids, self.prompt, self.priority, self.cache_salt,
-                        group_id=self.group_id, index=index)
+                        group_id=self.group_id, index=index, speculative=self.speculative)
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status

@@ -29,19 +29,31 @@ from dataclasses import dataclass, field
 
 from paged_runtime.core.kv_cache_manager import KVCacheManager
 from paged_runtime.request import Request, RequestStatus
+from paged_runtime.spec_decode.speculator import Speculator
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (num_computed_tokens at schedule time)
-    num_new_tokens: int
+    num_new_tokens: int  # the request's own tokens computed this step
     block_ids: list[int]
+    # Speculative drafts verified after the request's last token (slots reserved for them).
+    # n-gram drafts are known at scheduling; a draft model's are filled in by the runner.
+    num_spec: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled(self) -> int:
+        return self.num_new_tokens + self.num_spec
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so its logits are sampled."""
         return self.start + self.num_new_tokens == self.request.num_tokens
+
+    def input_token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens] + self.spec_token_ids
 
 
 @dataclass(slots=True)
@@ -71,7 +83,7 @@ SCHEDULING_POLICIES = {"fcfs": _fcfs_key, "priority": _priority_key}
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", speculator: Speculator | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
@@ -84,6 +96,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_req_ids: list[str] = []
+        self.speculator = speculator
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,7 +141,11 @@ class Scheduler:
             if request.num_pending_forks and request.num_uncomputed_tokens == 1:
                 self._fork(request)
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            drafts = self._drafts(request, num_new, budget)
+            while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
+                if drafts:  # speculation is optional: drop it before preempting anyone
+                    drafts = []
+                    continue
                 victim = self._pick_victim()
                 refund = self._preempt(victim, scheduled)
                 budget += refund
@@ -136,13 +153,13 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._schedule(request, num_new))
-                budget -= num_new
+                scheduled.append(self._schedule(request, num_new, drafts))
+                budget -= num_new + len(drafts)
                 index += 1
         num_preempted = self.num_preemptions - num_preemptions
         if num_preempted == 0:
             self._admit_waiting(budget, scheduled)
-        out = SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled), num_preempted,
+        out = SchedulerOutput(scheduled, sum(s.num_scheduled for s in scheduled), num_preempted,
                               self.kv_cache.take_pending_copies(), self._finished_req_ids)
         self._finished_req_ids = []
         return out
@@ -190,9 +207,18 @@ class Scheduler:
         self._preempt(victim, scheduled)
         return True
 
-    def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule(self, request: Request, num_new: int, drafts: list[int | None] = ()) -> ScheduledRequest:
+        """``drafts``: known draft tokens, or None placeholders for the runner's draft model."""
+        known = [] if None in drafts else list(drafts)
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                self.kv_cache.block_ids(request.request_id))
+                                self.kv_cache.block_ids(request.request_id), len(drafts), known)
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int | None]:
+        """Draft tokens to verify after a decoding request's last token (none when not speculating)."""
+        if self.speculator is None or num_new != 1 or request.num_uncomputed_tokens != 1:
+            return []
+        limit = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.propose(request, limit)
 
     def fork_request(self, parent: Request, request_id: str) -> Request:
         """A new sequence continuing ``parent`` (beam search), sharing its blocks."""
@@ -236,25 +262,34 @@ class Scheduler:
         return sum(s.num_new_tokens for s in was_scheduled)
 
     # ---- after the forward pass ---------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[list[int]]:
         """Advance computed counts, append sampled tokens, finish stopped requests.
 
-        Returns the requests that got a new token this step (finished ones included).
+        ``sampled[i]`` holds item i's new tokens: none for a prompt chunk that did not
+        reach the end, one for a plain decode, accepted drafts + one for speculation
+        (the accepted drafts' KV was computed; rejected ones' slots are simply rewritten
+        later). Returns the tokens each item actually appended: a stop cuts the rest.
         """
-        updated = []
-        for item, token_id in zip(output.scheduled, sampled_token_ids):
+        appended = []
+        for item, tokens in zip(output.scheduled, sampled):
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            if token_id is None:
-                continue
-            request.append_token(token_id)
-            updated.append(request)
-            status = self._stop_status(request, token_id)
+            request.num_computed_tokens += item.num_new_tokens + max(0, len(tokens) - 1)
+            kept = []
+            status = None
+            for token_id in tokens:
+                request.append_token(token_id)
+                kept.append(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    break
+            # After a stop inside the accepted drafts, KV past the last kept token is dropped.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.cache_computed_blocks(request)  # only verified tokens are ever hashed
+            appended.append(kept)
             if status is not None:
                 self.running.remove(request)
                 self._release(request, status)
-        return updated
+        return appended
 
     @staticmethod
     def _stop_status(request: Request, token_id: int) -> RequestStatus | None:

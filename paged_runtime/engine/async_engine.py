@@ -201,6 +201,7 @@ class AsyncEngine:
         self.processor = Processor(self.tokenizer, engine.max_model_len, engine.processor.vocab_size,
                                    engine.processor.max_num_seqs)
         self._counters = self._engine_counters()
+        self._spec_counters = self._spec_totals()
 
     # ---- the caller's side (any event loop) -----------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
@@ -395,6 +396,17 @@ class AsyncEngine:
         kv = self.engine.core.kv_cache
         return self.engine.core.scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens
 
+    def _spec_totals(self) -> tuple[int, int, int, list[int]]:
+        spec = self.engine.core.spec_stats
+        return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position)
+
+    def _spec_stats_since_last(self, stats: IterationStats) -> None:
+        now, before = self._spec_totals(), self._spec_counters
+        stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens = (
+            a - b for a, b in zip(now[:3], before[:3]))
+        stats.spec_accepted_per_position = [a - b for a, b in zip(now[3], before[3])]
+        self._spec_counters = now
+
     def _finish_stats(self, stats: IterationStats) -> None:
         scheduler, kv = self.engine.core.scheduler, self.engine.core.kv_cache
         stats.num_running, stats.num_waiting, stats.kv_cache_usage = scheduler.num_running, scheduler.num_waiting, kv.usage()
@@ -402,6 +414,7 @@ class AsyncEngine:
         stats.num_preemptions, stats.num_prefix_queries, stats.num_prefix_hits = (
             now - before for now, before in zip(counters, self._counters))
         self._counters = counters
+        self._spec_stats_since_last(stats)
         self.stats = EngineStats(stats.num_running, stats.num_waiting, stats.kv_cache_usage, *counters)
         for stat_logger in self.stat_loggers:
             try:

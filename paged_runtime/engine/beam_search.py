@@ -103,7 +103,7 @@ class BeamSearchDriver:
                          max_length=len(prompt) + min(params.max_tokens, room))
         # The engine never stops a beam itself: the driver decides (EOS and length are its criteria).
         sampling = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, logprobs=search.beams_to_keep)
-        beam = Request(f"beam-{next(self._ids)}", prompt, sampling, next(self._ids), room + 1)
+        beam = Request(f"beam-{next(self._ids)}", prompt, sampling, next(self._ids), room + 1, speculative=False)
         self.core.add_request(beam)
         search.beams.append(beam)
         return search

@@ -6,14 +6,17 @@ returns the requests that received a token (finished ones included).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from paged_runtime.config import EngineConfig, resolve_dtype
 from paged_runtime.core.kv_cache_manager import KVCacheManager
-from paged_runtime.core.scheduler import Scheduler
-from paged_runtime.models.loader import load_model
+from paged_runtime.core.scheduler import Scheduler, SchedulerOutput
+from paged_runtime.models.loader import load_model, resolve_model_path
+from paged_runtime.spec_decode.config import SpeculativeConfig
+from paged_runtime.spec_decode.draft_model import DraftModelProposer
+from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.kv_budget import free_memory, num_kv_blocks
 from paged_runtime.worker.model_runner import ModelRunner, TokenLogprobs
@@ -24,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepUpdate:
-    """What one step did to one sequence: a new token, and logprobs when asked."""
+    """One new token of one sequence (a speculating sequence may get several per step, in
+    order), with its logprobs when asked; or a chunk's prompt logprobs (token_id None)."""
     request: Request
     token_id: int | None
     logprobs: TokenLogprobs | None
@@ -41,6 +45,22 @@ class StepStats:
     num_token_slots_used: int  # tokens whose KV is held across running requests (after the step)
 
 
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Cumulative speculative-decoding counts since start-up."""
+    num_drafts: int = 0  # verifications (requests that speculated, summed over steps)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
+
+    def record(self, num_spec: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_spec
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig) -> None:
         self.config = config
@@ -49,16 +69,30 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         model = load_model(model_path, self.max_model_len, self.dtype, self.device)
+        spec = config.speculative_config
+        draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None
         budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
-        self.num_blocks = num_kv_blocks(model_config, config.block_size, self.dtype, budget,
-                                        self.max_model_len, config.max_num_seqs)
+        self.num_blocks = num_kv_blocks([model_config] + ([draft.config] if draft else []), config.block_size,
+                                        self.dtype, budget, self.max_model_len, config.max_num_seqs)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy)
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed)
+                                   config.scheduling_policy, Speculator(spec) if spec else None)
+        drafter = (DraftModelProposer(draft, self.num_blocks * config.block_size, self.dtype, self.device)
+                   if draft else None)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
+                                  drafter)
         self.last_stats: StepStats | None = None
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
                     model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
+
+    def _load_draft(self, spec: SpeculativeConfig, target: ModelConfig):
+        path = resolve_model_path(spec.model)
+        draft_config = ModelConfig.from_folder(path)
+        if draft_config.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the "
+                             f"target's ({target.vocab_size}); speculative decoding needs the same tokenizer")
+        return load_model(path, self.max_model_len, self.dtype, self.device)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -73,22 +107,31 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def step(self) -> list[StepUpdate]:
-        """One scheduling step and forward pass; the sequences that got a token or prompt logprobs."""
+        """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs."""
         out = self.scheduler.schedule()
         if out.empty:
             return []
         result = self.runner.execute(out)
-        self.scheduler.update_from_output(out, result.token_ids)
-        updates = [StepUpdate(item.request, token_id, logprobs, prompt_logprobs)
-                   for item, token_id, logprobs, prompt_logprobs in zip(
-                       out.scheduled, result.token_ids, result.logprobs, result.prompt_logprobs)
-                   if token_id is not None or prompt_logprobs is not None]
-        self.last_stats = StepStats(out.num_batched_tokens, self.scheduler.num_running, self.scheduler.num_waiting,
-                                    out.num_preempted, self.kv_cache.usage(),
-                                    sum(r.num_computed_tokens for r in self.scheduler.running))
+        appended = self.scheduler.update_from_output(out, result.token_ids)
+        updates = []
+        for item, tokens, logprobs, prompt_logprobs in zip(out.scheduled, appended, result.logprobs,
+                                                           result.prompt_logprobs):
+            if prompt_logprobs is not None:
+                updates.append(StepUpdate(item.request, None, None, prompt_logprobs))
+            updates += [StepUpdate(item.request, token_id, logprobs[i] if logprobs else None, None)
+                        for i, token_id in enumerate(tokens)]
+        self.last_stats = self._stats(out, result.token_ids)
         if self.config.debug_checks:
             self.scheduler.check_invariants()
         return updates
+
+    def _stats(self, out: SchedulerOutput, sampled: list[list[int]]) -> StepStats:
+        for item, tokens in zip(out.scheduled, sampled):
+            if item.num_spec:
+                self.spec_stats.record(item.num_spec, len(tokens) - 1)
+        return StepStats(out.num_batched_tokens, self.scheduler.num_running, self.scheduler.num_waiting,
+                         out.num_preempted, self.kv_cache.usage(),
+                         sum(r.num_computed_tokens for r in self.scheduler.running))
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -31,6 +31,7 @@ class Sequence:
     """Output-side state of one sampled sequence."""
     detokenizer: IncrementalDetokenizer
     completion: CompletionOutput
+    stopped: bool = False  # a stop string ended it: later tokens of the same step are dropped
 
 
 @dataclass
@@ -111,6 +112,8 @@ class LLMEngine:
                 CompletionOutput(request.index, "", [], 0.0 if request.params.needs_logprobs else None,
                                  [] if request.params.logprobs is not None else None))
             state.num_cached_tokens = max(0, request.num_cached_tokens)
+        if seq.stopped:
+            return None
         self._add_token(request, seq, update.token_id, update.logprobs)
         return request.index
 
@@ -124,18 +127,21 @@ class LLMEngine:
                 entry = self._position_logprobs(logprobs)
                 c.logprobs.append(entry)
                 c.delta_logprobs.append(entry)
-        if not self._text_hidden(request, token_id):
+        is_last = len(c.token_ids) == request.num_output_tokens  # speculation may add several per step
+        if not (is_last and self._text_hidden(request, token_id)):
             stop = seq.detokenizer.add_tokens([token_id])
-            if stop is not None and not request.status.finished:
-                self.core.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-                request.stop_reason = stop
+            if stop is not None:
+                seq.stopped = True
+                if not request.status.finished:
+                    self.core.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         c.text = seq.detokenizer.text
         c.finish_reason, c.stop_reason = request.finish_reason, request.stop_reason
         c.delta_text += seq.detokenizer.take_delta(request.status.finished)
 
     @staticmethod
     def _text_hidden(request: Request, token_id: int) -> bool:
-        """EOS never shows as text; a stop token only with include_stop_str_in_output."""
+        """The finishing EOS never shows as text; a stop token only with include_stop_str_in_output."""
         if request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
             return True
         return request.stop_reason == token_id and not request.params.include_stop_str_in_output

@@ -8,7 +8,6 @@ from ``PAGED_RUNTIME_API_KEY``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -77,8 +76,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="only 1: scale out with replicas (KServe / Ray Serve)")
-    engine.add_argument("--speculative-config", type=json.loads, default=None,
-                        help="JSON speculative decoding config (not available in this build)")
+    engine.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                             'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
 
 
 def engine_config(args: argparse.Namespace):
@@ -86,14 +86,13 @@ def engine_config(args: argparse.Namespace):
     from paged_runtime.config import EngineConfig
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size must be 1: this runtime runs one device per replica")
-    if args.speculative_config:
-        raise ValueError("--speculative-config is not supported by this build yet")
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        speculative_config=args.speculative_config,
         served_model_name=served_model_names(args)[0])
 
 

@@ -26,14 +26,16 @@ def free_memory(device: torch.device, utilization: float) -> int:
     return min(int(available * _CPU_SHARE), _CPU_CAP)
 
 
-def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, budget: int,
+def num_kv_blocks(config: ModelConfig | list[ModelConfig], block_size: int, dtype: torch.dtype, budget: int,
                   max_model_len: int, max_num_seqs: int) -> int:
     """Blocks that fit in ``budget``, capped at what ``max_num_seqs`` full-length requests can use.
+    Several configs (a target and its draft model) share block ids, so a block costs their sum.
 
     Raises ValueError when not even one request of ``max_model_len`` fits,
     naming the largest length that would.
     """
-    per_block = bytes_per_block(config, block_size, dtype)
+    configs = config if isinstance(config, list) else [config]
+    per_block = sum(bytes_per_block(c, block_size, dtype) for c in configs)
     num_blocks = budget // per_block
     if num_blocks * block_size < max_model_len:
         raise ValueError(

@@ -8,6 +8,7 @@ are built with numpy over whole arrays, not per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -17,6 +18,8 @@ from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.sample.metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, SamplerOutput
+from paged_runtime.spec_decode.draft_model import DraftModelProposer
+from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow
 from paged_runtime.utils.cpu import keep_freed_memory_mapped
 
 
@@ -33,10 +36,23 @@ class TokenLogprobs:
 @dataclass(slots=True)
 class RunnerOutput:
     """Per scheduled request, in the scheduler's order."""
-    token_ids: list[int | None]  # None: a prompt chunk that did not reach the end
-    logprobs: list[TokenLogprobs | None]
+    # Empty: a prompt chunk that did not reach the end; one token for a plain decode;
+    # accepted drafts + one for a speculating request.
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]  # one entry per token, when the request asks
     # (first prompt position scored, entries): entry i scores prompt token first + i + 1.
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Entry i: token_ids[i]'s logprob and rank in row i of ``logprobs``, and the row's top ``num_top``."""
+    targets = torch.tensor(token_ids, device=logprobs.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+    ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    top_ids = top.indices.tolist() if top else [[] for _ in ranks]
+    top_lps = top.values.tolist() if top else [[] for _ in ranks]
+    return [TokenLogprobs(t, lp, r, i, v) for t, lp, r, i, v in zip(token_ids, chosen.tolist(), ranks, top_ids, top_lps)]
 
 
 # Decodes are attended in groups of this many rows (sorted by length), so one
@@ -46,7 +62,7 @@ DECODE_GROUP_SIZE = 32
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int) -> None:
+                 dtype: torch.dtype, seed: int, drafter: DraftModelProposer | None = None) -> None:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         if device.type == "cpu":
@@ -55,23 +71,32 @@ class ModelRunner:
         # Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.drafter = drafter
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         # Decodes first, shortest context first, so attention can batch neighbours of similar length.
-        order = sorted(range(len(out.scheduled)),
-                       key=lambda i: (out.scheduled[i].num_new_tokens > 1, out.scheduled[i].start))
+        order = sorted(range(len(out.scheduled)), key=lambda i: (
+            out.scheduled[i].num_scheduled > 1 and not out.scheduled[i].num_spec, out.scheduled[i].start))
         items = [out.scheduled[i] for i in order]
-        input_ids, positions, meta = self._prepare_inputs(items)
+        spec_rows = {k: self._spec_row(s) for k, s in enumerate(items) if s.num_spec}
+        if self.drafter is not None:
+            self.drafter.propose(items, spec_rows, self.prepare_inputs, self.sampler.generator)
+            for k, row in spec_rows.items():
+                items[k].spec_token_ids = row.drafts
+        input_ids, positions, meta = self.prepare_inputs(items)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        ends = np.cumsum([s.num_new_tokens for s in items])
-        result = RunnerOutput([None] * len(items), [None] * len(items), [None] * len(items))
-        sampling = [k for k, s in enumerate(items) if s.samples]
+        ends = np.cumsum([s.num_scheduled for s in items])
+        result = RunnerOutput([[] for _ in items], [None] * len(items), [None] * len(items))
+        sampling = [k for k, s in enumerate(items) if s.samples and not s.num_spec]
         if sampling:
             rows = torch.as_tensor(ends[sampling] - 1, device=self.device)
             requests = [items[k].request for k in sampling]
@@ -79,12 +104,37 @@ class ModelRunner:
             meta = build_sampling_metadata(requests, generators, self.model.config.vocab_size, self.device)
             sampled = self.sampler(self.model.compute_logits(hidden[rows]), meta)
             self._store_samples(result, sampling, requests, sampled)
+        if spec_rows:
+            self._verify(items, spec_rows, hidden, ends, result)
         for k, s in enumerate(items):
             if s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
                 result.prompt_logprobs[k] = self._prompt_logprobs(s, hidden[ends[k] - s.num_new_tokens:ends[k]])
         back = np.argsort(order)  # from the runner's order back to the scheduler's
         return RunnerOutput(*([field[k] for k in back]
                               for field in (result.token_ids, result.logprobs, result.prompt_logprobs)))
+
+    def _spec_row(self, s: ScheduledRequest) -> SpecRow:
+        p = s.request.params
+        return SpecRow(0, list(s.spec_token_ids), None, p.temperature, p.top_k, p.top_p, p.min_p,
+                       self._generator(s.request))
+
+    def _verify(self, items: list[ScheduledRequest], spec_rows: dict[int, SpecRow], hidden: torch.Tensor,
+                ends: np.ndarray, result: RunnerOutput) -> None:
+        """Score each speculating request's last token and drafts; keep what the rejection sampler accepts."""
+        spans, first = [], 0
+        for k, row in spec_rows.items():
+            span = np.arange(ends[k] - items[k].num_spec - 1, ends[k])
+            spans.append(span)
+            row.first_row, first = first, first + len(span)
+        logits = self.model.compute_logits(hidden[torch.as_tensor(np.concatenate(spans), device=self.device)]).float()
+        emitted = self.rejection_sampler(logits, list(spec_rows.values()))
+        for (k, row), tokens in zip(spec_rows.items(), emitted):
+            result.token_ids[k] = tokens
+            if self.drafter is not None:
+                self.drafter.accepted(items[k], len(tokens) - 1)
+            if items[k].request.params.needs_logprobs:
+                scored = logits[row.first_row:row.first_row + len(tokens)].log_softmax(dim=-1)
+                result.logprobs[k] = token_logprobs(scored, tokens, items[k].request.params.logprobs or 0)
 
     @staticmethod
     def _store_samples(result: RunnerOutput, positions: list[int], requests, sampled: SamplerOutput) -> None:
@@ -94,27 +144,19 @@ class ModelRunner:
             top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
             top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         for j, (k, request) in enumerate(zip(positions, requests)):
-            result.token_ids[k] = tokens[j]
+            result.token_ids[k] = [tokens[j]]
             if sampled.logprobs is not None and request.params.needs_logprobs:
                 num = request.params.logprobs or 0
-                result.logprobs[k] = TokenLogprobs(tokens[j], logprobs[j], ranks[j],
-                                                   top_ids[j][:num] if num else [], top_lps[j][:num] if num else [])
+                result.logprobs[k] = [TokenLogprobs(tokens[j], logprobs[j], ranks[j],
+                                                    top_ids[j][:num] if num else [], top_lps[j][:num] if num else [])]
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> tuple[int, list[TokenLogprobs]]:
         """Score prompt tokens start+1 .. (chunk end or the prompt's last) from this chunk's rows."""
         request = s.request
         end = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
         logprobs = self.model.compute_logits(hidden[:end - s.start]).log_softmax(dim=-1)
-        targets = torch.tensor(request.prompt_token_ids[s.start + 1:end + 1], device=self.device)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-        ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
-        k = request.params.prompt_logprobs
-        top = logprobs.topk(k, dim=-1) if k else None
-        top_ids = top.indices.tolist() if top else [[] for _ in ranks]
-        top_lps = top.values.tolist() if top else [[] for _ in ranks]
-        entries = [TokenLogprobs(t, lp, r, i, v)
-                   for t, lp, r, i, v in zip(targets.tolist(), chosen.tolist(), ranks, top_ids, top_lps)]
-        return s.start, entries
+        targets = request.prompt_token_ids[s.start + 1:end + 1]
+        return s.start, token_logprobs(logprobs, targets, request.params.prompt_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give each (src, dst) pair's dst block the KV of src, in every layer."""
@@ -123,10 +165,14 @@ class ModelRunner:
                     for b in zip(*copies))
         for kv_cache in self.kv_caches:
             kv_cache[dst] = kv_cache[src]
+        if self.drafter is not None:
+            self.drafter.copy_slots(src, dst)
 
     # ---- inputs ------------------------------------------------------------------
-    def _prepare_inputs(self, items: list[ScheduledRequest]):
-        decodes = [s for s in items if s.num_new_tokens == 1]
+    def prepare_inputs(self, items: list[ScheduledRequest]):
+        """Flat token ids, positions and attention metadata; ``items`` hold single-token queries
+        and speculating requests first (by ascending start), then multi-token chunks."""
+        decodes = [s for s in items if s.num_scheduled == 1 or s.num_spec]
         prefills = items[len(decodes):]
         ids, pos, slots = [], [], []
         groups = []
@@ -134,15 +180,15 @@ class ModelRunner:
             d_ids, d_pos, d_slots, groups = self._decode_inputs(decodes)
             ids.append(d_ids), pos.append(d_pos), slots.append(d_slots)
         chunks = []
-        start = len(decodes)
+        start = sum(s.num_scheduled for s in decodes)
         for s in prefills:
-            p = np.arange(s.start, s.start + s.num_new_tokens)
+            p = np.arange(s.start, s.start + s.num_scheduled)
             table = np.asarray(s.block_ids)
-            ids.append(np.asarray(s.request.all_token_ids[s.start:s.start + s.num_new_tokens]))
+            ids.append(np.asarray(s.input_token_ids()))
             pos.append(p)
             slots.append(self._slots(table, p))
             chunks.append(self._prefill_chunk(start, s, table))
-            start += s.num_new_tokens
+            start += s.num_scheduled
         to = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int64)).to(self.device)
         return to(ids), to(pos), AttentionMetadata(to(slots), groups, chunks)
 
@@ -150,29 +196,36 @@ class ModelRunner:
         return table[..., positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _decode_inputs(self, decodes: list[ScheduledRequest]):
-        starts = np.fromiter((s.start for s in decodes), dtype=np.int64, count=len(decodes))
-        token_ids = np.fromiter((s.request.all_token_ids[s.start] for s in decodes), np.int64, len(decodes))
+        """One query row per token: single-token decodes, and a speculating request's last token
+        and drafts (row j attends to its own prefix, so causality needs no mask of its own)."""
+        counts = np.fromiter((s.num_scheduled for s in decodes), np.int64, len(decodes))
+        owner = np.repeat(np.arange(len(decodes)), counts)
+        first_row = np.cumsum(counts) - counts
+        starts = np.fromiter((s.start for s in decodes), np.int64, len(decodes))
+        positions = starts[owner] + np.arange(len(owner)) - first_row[owner]
+        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in decodes), np.int64, len(owner))
         max_blocks = max(len(s.block_ids) for s in decodes)
         tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
         for row, s in zip(tables, decodes):
             row[:len(s.block_ids)] = s.block_ids
-        rows = np.arange(len(decodes))
-        slots = tables[rows, starts // self.block_size] * self.block_size + starts % self.block_size
+        tables = tables[owner]
+        rows = np.arange(len(owner))
+        slots = tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
         groups = []
-        for first in range(0, len(decodes), DECODE_GROUP_SIZE):
-            lens = starts[first:first + DECODE_GROUP_SIZE] + 1  # sorted ascending: the last is the longest
-            gather = self._slots(tables[first:first + DECODE_GROUP_SIZE], np.arange(int(lens[-1])))
+        for first in range(0, len(owner), DECODE_GROUP_SIZE):
+            lens = positions[first:first + DECODE_GROUP_SIZE] + 1  # near-sorted: the gather spans the longest
+            gather = self._slots(tables[first:first + DECODE_GROUP_SIZE], np.arange(int(lens.max())))
             groups.append(decode_group(first, torch.from_numpy(gather).to(self.device),
                                        torch.from_numpy(lens).to(self.device)))
-        return token_ids, starts, slots, groups
+        return token_ids, positions, slots, groups
 
     def _prefill_chunk(self, query_start: int, s: ScheduledRequest, table: np.ndarray) -> PrefillChunk:
         if s.start == 0:
-            return PrefillChunk(query_start, s.num_new_tokens, None, None)
-        context_len = s.start + s.num_new_tokens
+            return PrefillChunk(query_start, s.num_scheduled, None, None)
+        context_len = s.start + s.num_scheduled
         context = torch.from_numpy(self._slots(table, np.arange(context_len))).to(self.device)
-        return PrefillChunk(query_start, s.num_new_tokens, context,
-                            causal_mask(s.num_new_tokens, context_len, self.device))
+        return PrefillChunk(query_start, s.num_scheduled, context,
+                            causal_mask(s.num_scheduled, context_len, self.device))
 
     # ---- sampling ----------------------------------------------------------------
     def _generator(self, request) -> torch.Generator | None:

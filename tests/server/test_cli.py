@@ -30,6 +30,17 @@ def test_serve_flags_and_defaults():
     assert (args.model, args.enable_prefix_caching, args.kv_cache_memory) == ("/m", False, 2 * 2**30)
 
 
+def test_speculative_config_flag_reaches_the_engine_config():
+    from paged_runtime.entrypoints.cli import engine_config
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'])
+    spec = engine_config(args).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
+        ("ngram", 3, 1, 2)
+    with pytest.raises(ValueError, match="speculative_config is not valid JSON"):
+        engine_config(build_parser().parse_args(["serve", "--speculative-config", "{ngram"]))
+
+
 @pytest.mark.parametrize("text,value", [("1024", 1024), ("512MiB", 512 * 2**20), ("2G", 2 * 2**30), ("1.5k", 1536)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
@@ -47,6 +58,9 @@ def test_bad_flags_exit_2_without_loading():
     proc = run_cli("serve", "/no/such/model")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "does not exist" in out
+    proc = run_cli("serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "speculative_config.method must be one of" in out
 
 
 def test_serve_end_to_end(tiny_llama_dir):

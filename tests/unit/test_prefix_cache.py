@@ -17,7 +17,7 @@ def make_request(request_id: str, token_ids: list[int], arrival: int, priority: 
 
 def step(scheduler: Scheduler, token: int = 7) -> dict[str, int]:
     out = scheduler.schedule()
-    scheduler.update_from_output(out, [token if s.samples else None for s in out.scheduled])
+    scheduler.update_from_output(out, [[token] if s.samples else [] for s in out.scheduled])
     scheduler.check_invariants()
     return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
 

@@ -18,7 +18,7 @@ def plan(out) -> dict[str, int]:
 
 def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
-    scheduler.update_from_output(out, [token if s.samples else None for s in out.scheduled])
+    scheduler.update_from_output(out, [[token] if s.samples else [] for s in out.scheduled])
     scheduler.check_invariants()
     return out
 
@@ -76,7 +76,7 @@ def test_stop_conditions():
     scheduler.add_request(make_request("ignore", 3, 1, ignore_eos=True))
     scheduler.add_request(make_request("stop_id", 3, 2, stop_token_ids=[2, 9]))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, [2, 2, 9])
+    scheduler.update_from_output(out, [[2], [2], [9]])
     assert [r.status for r in (s.request for s in out.scheduled)] == [
         RequestStatus.FINISHED_STOPPED, RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED]
     assert out.scheduled[2].request.stop_reason == 9

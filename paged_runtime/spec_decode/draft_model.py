@@ -1,0 +1,94 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary and its own paged KV cache.
+
+The draft shares the target's block tables (same slots, its own cache
+tensors), so the scheduler's allocation covers both. Each engine step, before
+the target's forward pass:
+
+1. catch-up: the draft runs over every scheduled request's real tokens (prompt
+   chunks and decode tokens, plus any accepted draft whose draft KV is missing),
+   which keeps its cache in step with the target's and yields d_1 from the last
+   real position of each speculating request;
+2. k - 1 single-token passes, batched across the speculating requests, yield
+   d_2..d_k (greedy requests take the draft's argmax; others sample the draft's
+   processed distribution q with the request's generator, and keep q for the
+   rejection sampler).
+
+``computed[r]`` is how many leading positions of request r hold valid draft
+KV. After verification it covers the accepted drafts the draft itself ran
+(all but d_k), so the next catch-up starts one token early when all k passed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paged_runtime.core.scheduler import ScheduledRequest
+from paged_runtime.models.llama import LlamaForCausalLM
+from paged_runtime.spec_decode.rejection_sampler import SpecRow, sample_from, target_probs
+
+
+class DraftModelProposer:
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        c = model.config
+        self.model = model
+        self.kv_caches = [torch.zeros((num_slots, 2, c.num_kv_heads, c.head_dim), dtype=dtype, device=device)
+                          for _ in range(c.num_layers)]
+        self.computed: dict[str, int] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for kv_cache in self.kv_caches:
+            kv_cache[dst] = kv_cache[src]
+
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledRequest], spec_rows: dict[int, SpecRow], prepare_inputs,
+                generator: torch.Generator) -> None:
+        """Catch up on ``items``; fill drafts (and q for random rows) of the speculating ones.
+
+        ``spec_rows`` maps an index into ``items`` to its SpecRow (drafts empty on entry)."""
+        catch_up = []
+        for s in items:
+            real_end = s.start + s.num_new_tokens
+            start = min(self.computed.get(s.request.request_id, s.start), s.start)
+            catch_up.append(ScheduledRequest(s.request, start, real_end - start, s.block_ids))
+            self.computed[s.request.request_id] = real_end
+        order = sorted(range(len(catch_up)), key=lambda i: (catch_up[i].num_scheduled > 1, catch_up[i].start))
+        ends = np.cumsum([catch_up[i].num_scheduled for i in order])
+        last_row = {i: int(ends[k]) - 1 for k, i in enumerate(order)}
+        hidden = self._forward([catch_up[i] for i in order], prepare_inputs)
+        speculating = sorted(spec_rows)
+        if not speculating:
+            return
+        logits = self.model.compute_logits(hidden[[last_row[i] for i in speculating]]).float()
+        self._draw(logits, [spec_rows[i] for i in speculating], generator)
+        for step in range(1, max(items[i].num_spec for i in speculating)):
+            active = [i for i in speculating if items[i].num_spec > step]
+            passes = [ScheduledRequest(items[i].request, items[i].start + step, 0, items[i].block_ids,
+                                       num_spec=1, spec_token_ids=spec_rows[i].drafts[-1:]) for i in active]
+            order = sorted(range(len(passes)), key=lambda k: passes[k].start)
+            hidden = self._forward([passes[k] for k in order], prepare_inputs)
+            back = np.argsort(order)
+            logits = self.model.compute_logits(hidden[torch.as_tensor(back)]).float()
+            self._draw(logits, [spec_rows[i] for i in active], generator)
+
+    def accepted(self, item: ScheduledRequest, num_accepted: int) -> None:
+        """The draft KV is valid up to the last accepted draft the draft model ran itself."""
+        self.computed[item.request.request_id] = item.start + 1 + min(num_accepted, item.num_spec - 1)
+
+    def _forward(self, items: list[ScheduledRequest], prepare_inputs) -> torch.Tensor:
+        input_ids, positions, meta = prepare_inputs(items)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, rows: list[SpecRow], generator: torch.Generator) -> None:
+        """Append one draft token to each row; random rows also append its q to ``draft_probs``."""
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        for j, row in enumerate(rows):
+            if row.greedy:
+                row.drafts.append(greedy_ids[j])
+                continue
+            q = target_probs(logits[j:j + 1], row)
+            row.drafts.append(sample_from(q[0], row.generator or generator))
+            row.draft_probs = q if row.draft_probs is None else torch.cat([row.draft_probs, q])
