@@ -51,6 +51,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
+    add_runtime_arguments(p, server)
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
+    """The flags every front end shares (``serve`` and the KServe adapter): model names, auth, backpressure,
+    logging and the engine. ``server``: the argument group for the serving flags (default: a new "server" group)."""
+    server = server if server is not None else p.add_argument_group("server")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use for the model; the first one labels the metrics")
     server.add_argument("--api-key", default=None,

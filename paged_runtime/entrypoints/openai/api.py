@@ -230,12 +230,13 @@ def _detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict:
 
 
 def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = None, *, api_key: str | None = None,
-              registry: CollectorRegistry | None = None, model_root: str | None = None) -> FastAPI:
+              registry: CollectorRegistry | None = None, model_root: str | None = None,
+              include_metrics: bool = True) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down)."""
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
     app.include_router(build_router(engine, served_model_names, api_key=api_key, registry=registry,
-                                    model_root=model_root))
+                                    model_root=model_root, include_metrics=include_metrics))
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:

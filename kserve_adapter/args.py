@@ -1,0 +1,74 @@
+"""The adapter's command line: KServe's model-server flags plus the runtime's own, in one parser.
+
+KServe's flags (``--model_name``, ``--http_port``, ``--workers``, ...) come
+from ``kserve.model_server.parser`` as a parent, so their names, defaults and
+help are KServe's. The runtime's flags are the ones ``paged-runtime serve``
+takes, with the same names (``--max-model-len``, ``--served-model-name``,
+...). Abbreviations are off: with them ``--model`` would be taken as a prefix
+of ``--model_name`` or ``--model_dir`` whenever it is not spelled out exactly,
+and a typo would silently set some other flag.
+
+Which model is served: ``--model PATH`` if given; else ``--model_dir`` (KServe
+passes ``/mnt/models``, where its storage initializer puts ``storageUri``) if
+it holds a model; else the embedded default. A ``--model_dir`` with no model
+in it means the InferenceService gave no ``storageUri``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from kserve.model_server import parser as kserve_parser
+
+from paged_runtime.entrypoints.cli import add_runtime_arguments
+
+logger = logging.getLogger("kserve_adapter")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kserve_adapter", parents=[kserve_parser], allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve a paged-runtime model as a KServe model server (v1, v2 and OpenAI routes).")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, metavar="PATH",
+                       help="Hugging Face folder or .gguf file; wins over --model_dir")
+    model.add_argument("--model_dir", default=None, metavar="DIR",
+                       help="where KServe put the model (/mnt/models); with no model in it, the embedded default")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0",
+                        help="address to bind (KServe's own server always binds 0.0.0.0; 127.0.0.1 for local runs)")
+    add_runtime_arguments(parser, server)
+    # One HTTP port per pod (the ClusterServingRuntime declares 8080 only); gRPC v2 is opt-in.
+    parser.set_defaults(enable_grpc=False)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed flags with ``model`` resolved (a path or None) and ``served_model_name`` defaulting to the
+    KServe model name. Exits with status 2 and a message for a flag the adapter cannot honour."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.workers != 1:
+        parser.error(f"--workers must be 1, got {args.workers}: each worker would load its own copy of the "
+                     "model and KV cache; scale with replicas (minReplicas/maxReplicas) instead")
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        parser.error(f"--model {args.model!r} does not exist (weights are never downloaded)")
+    args.model = resolve_model(args.model, args.model_dir)
+    args.served_model_name = args.served_model_name or [args.model_name]
+    return args
+
+
+def resolve_model(model: str | None, model_dir: str | None) -> str | None:
+    """The path to load: ``model``; else what ``model_dir`` holds; None (the embedded default) if nothing."""
+    if model is not None or model_dir is None:
+        return model
+    folder = Path(model_dir)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        logger.info("no model in %s: serving the embedded default", model_dir)
+        return None
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not (folder / "config.json").exists() and len(ggufs) == 1:
+        return str(ggufs[0])  # a storageUri that points at one GGUF file
+    return str(folder)  # a Hugging Face folder (the loader says what is wrong if it is not one)

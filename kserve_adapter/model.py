@@ -1,0 +1,131 @@
+"""The runtime as a ``kserve.Model``: the engine starts on the server's loop, readiness follows it.
+
+Lifecycle
+    ``load()`` only marks the model registrable (KServe registers ready
+    models only); the weights load in ``start_engine()``, which ModelServer
+    runs on its event loop beside the HTTP server (``engine = True``). The
+    blocking build runs in a worker thread, so the server answers while it
+    loads: ``healthy()``, and with it ``/v1/models/NAME`` and
+    ``/v2/models/NAME/ready``, is False (503) until the engine serves, and
+    again once it has died. ``stop_engine()`` (KServe calls it on SIGTERM,
+    after the HTTP server drained) shuts the engine down; a stop that comes
+    while the engine is still building shuts it down as soon as it is built.
+
+Inference
+    ``predict`` gets a dict for v1 and an ``InferRequest`` for v2
+    (``protocol.py`` maps both); a client's mistake is ``InvalidInput``
+    (400), a full queue ``EngineOverloadedError`` and a dead engine
+    ``EngineDeadError`` (both 503, see ``server.py``). KServe's v1/v2
+    endpoints do not watch for a client's disconnect, so such a request runs
+    to its end (bounded by ``max_tokens``); the OpenAI routes abort theirs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+
+from kserve import Model
+from kserve.errors import InvalidInput, ModelNotReady
+from kserve.protocol.infer_type import InferRequest, InferResponse
+
+from kserve_adapter import protocol
+from paged_runtime.engine.async_engine import AsyncEngine, RequestStream
+from paged_runtime.entrypoints.openai.serving import OpenAIServing, collect
+from paged_runtime.outputs import RequestOutput
+
+logger = logging.getLogger("kserve_adapter")
+
+# Test-only hook: when set, start_engine() waits until this file exists before building the engine, so a
+# test can observe the loading window (503 -> 200) deterministically. Never set it in a deployment.
+LOAD_GATE_ENV = "KSERVE_ADAPTER_LOAD_GATE"
+
+
+class PagedRuntimeModel(Model):
+    def __init__(self, name: str, served_model_names: Sequence[str], engine_factory: Callable[[], AsyncEngine]):
+        """``engine_factory`` builds the engine (blocking; it runs in a worker thread)."""
+        super().__init__(name)
+        self.engine = True  # tells ModelServer to run start_engine() on its loop
+        self.served_model_names = list(served_model_names)
+        self.engine_factory = engine_factory
+        self.async_engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None  # the OpenAI routes' request checks, over this engine
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def load(self) -> bool:
+        """Nothing to load yet (start_engine does); KServe's dataplane also calls this while not healthy."""
+        self.ready = True
+        return self.ready
+
+    async def start_engine(self) -> None:
+        await self._wait_for_load_gate()
+        if self._stopping:
+            return
+        logger.info("building the engine for %s", self.name)
+        engine = await asyncio.to_thread(self.engine_factory)
+        if self._stopping:  # stopped while building: nobody will serve with it
+            engine.shutdown()
+            return
+        self.serving = OpenAIServing(engine, self.served_model_names)
+        self.async_engine = engine
+        logger.info("model %s is ready (max_model_len %d)", self.name, engine.max_model_len)
+
+    async def healthy(self) -> bool:
+        return self.async_engine is not None and self.async_engine.is_healthy
+
+    def stop(self) -> None:
+        self.ready = False
+
+    def stop_engine(self) -> None:
+        """Shut the engine down (idempotent); in-flight requests fail with EngineDeadError."""
+        self._stopping = True
+        self.ready = False
+        engine, self.async_engine = self.async_engine, None
+        if engine is not None:
+            engine.shutdown()
+            logger.info("engine of %s shut down", self.name)
+
+    async def _wait_for_load_gate(self) -> None:
+        gate = os.environ.get(LOAD_GATE_ENV)
+        if not gate:
+            return
+        logger.warning("%s is set (a test hook): the engine waits for %s to exist", LOAD_GATE_ENV, gate)
+        while not (self._stopping or os.path.exists(gate)):
+            await asyncio.sleep(0.02)
+
+    # ---- inference ---------------------------------------------------------------------------
+    def get_input_types(self) -> list[dict]:
+        return protocol.INPUT_TYPES
+
+    def get_output_types(self) -> list[dict]:
+        return protocol.OUTPUT_TYPES
+
+    async def predict(self, payload: dict | InferRequest, headers: dict[str, str] | None = None,
+                      response_headers: dict[str, str] | None = None) -> dict | InferResponse:
+        engine, serving = self.async_engine, self.serving
+        if engine is None or serving is None:
+            raise ModelNotReady(self.name)
+        request_id = f"kserve-{uuid.uuid4().hex}"
+        if isinstance(payload, InferRequest):
+            outputs = await self._generate(engine, request_id, protocol.v2_prepare(serving, payload))
+            return protocol.v2_response(payload, self.name, outputs, request_id)
+        return protocol.v1_response(await self._generate(engine, request_id, protocol.v1_prepare(serving, payload)))
+
+    async def explain(self, payload: dict, headers: dict[str, str] | None = None) -> dict:
+        raise InvalidInput(f"model {self.name} has no explainer; use :predict, /infer or the OpenAI routes")
+
+    @staticmethod
+    async def _generate(engine: AsyncEngine, request_id: str, batch: list[protocol.Prepared]) -> list[RequestOutput]:
+        """Submit every prompt, or none (an overloaded engine refuses one: the others are aborted); then wait."""
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(batch):
+                streams.append(engine.add_request(f"{request_id}-{i}", p.prompt, p.params, p.priority, p.cache_salt))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return await collect(streams)

@@ -1,0 +1,58 @@
+"""The runtime's OpenAI router on KServe's app, for an engine that does not exist yet when routes are added.
+
+KServe builds its app before any model's engine starts, and the router needs
+the engine, so the routes go through one ASGI object: it answers 503 with an
+OpenAI error body until the model's engine is up, then builds the runtime's
+OpenAI app once and hands it every request. Paths (KServe's OpenAI prefix,
+plus the two generation routes where OpenAI clients look without it)::
+
+    /openai/v1/completions, /openai/v1/chat/completions, /openai/v1/models,
+    /openai/health, /openai/version, /openai/tokenize, /openai/detokenize
+    /v1/completions, /v1/chat/completions
+
+``/metrics`` is KServe's own (the engine writes to the default registry).
+Errors, streaming and the abort on a client's disconnect are the router's.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
+
+from kserve_adapter.model import PagedRuntimeModel
+from paged_runtime.entrypoints.openai import OpenAIError, build_app
+
+OPENAI_PREFIX = "/openai"
+ROOT_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class OpenAIRoutes:
+    """An ASGI app: 503 until ``model``'s engine is up, then the runtime's OpenAI app over that engine."""
+
+    def __init__(self, model: PagedRuntimeModel, api_key: str | None = None) -> None:
+        self.model = model
+        self.api_key = api_key
+        self._app: FastAPI | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = self._app or self._build()
+        if app is not None:
+            await app(scope, receive, send)
+        elif scope["type"] == "http":
+            error = OpenAIError(503, f"The model `{self.model.name}` is loading; retry later.", type="server_error",
+                                code="model_not_ready", headers={"Retry-After": "5"})
+            await error.response()(scope, receive, send)
+
+    def _build(self) -> FastAPI | None:
+        engine = self.model.async_engine
+        if engine is None:
+            return None
+        self._app = build_app(engine, self.model.served_model_names, api_key=self.api_key,
+                              model_root=str(engine.engine.model_path), include_metrics=False)
+        return self._app
+
+
+def mount_openai_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
+    """Adds the paths above to ``app``; call it before the server starts (KServe's routes come after)."""
+    app.mount(OPENAI_PREFIX, routes)
+    for path in ROOT_PATHS:
+        app.add_route(path, routes, methods=["POST"])

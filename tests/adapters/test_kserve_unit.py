@@ -1,0 +1,175 @@
+"""kserve_adapter in-process: its command line, the model's engine lifecycle, the engine-error responses.
+
+The HTTP behaviour is tested against a real server in test_kserve_server.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from kserve_adapter.args import build_parser, parse_args, resolve_model
+from kserve_adapter.model import LOAD_GATE_ENV, PagedRuntimeModel
+from kserve_adapter.protocol import PromptRequest, v2_fields, v2_texts
+from kserve_adapter.server import add_engine_error_handlers
+from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
+
+RUNTIME_FLAGS = ["--served-model-name", "--api-key", "--max-waiting-requests", "--dtype", "--device", "--max-model-len",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
+                 "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching", "--seed",
+                 "--scheduling-policy", "--tensor-parallel-size", "--speculative-config"]
+KSERVE_FLAGS = ["--model_name", "--http_port", "--grpc_port", "--workers", "--enable_grpc", "--max_asyncio_workers"]
+
+
+def test_parser_has_kserve_and_runtime_flags():
+    options = {s for action in build_parser()._actions for s in action.option_strings}
+    assert set(RUNTIME_FLAGS + KSERVE_FLAGS + ["--model", "--model_dir", "--host"]) <= options
+
+
+def test_model_is_not_swallowed_by_model_name_and_defaults_follow_kserve(tmp_path):
+    args = parse_args(["--model_name", "m", "--model", str(tmp_path), "--max-model-len", "256",
+                       "--kv-cache-memory", "8MiB", "--no-enable-prefix-caching"])
+    assert (args.model_name, args.model, args.max_model_len, args.kv_cache_memory) == ("m", str(tmp_path), 256,
+                                                                                       8 * 2**20)
+    assert (args.enable_prefix_caching, args.served_model_name, args.http_port, args.host, args.enable_grpc) == (
+        False, ["m"], 8080, "0.0.0.0", False)
+    assert parse_args(["--model_name", "m", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "2"], "--workers must be 1, got 2"),
+    (["--model", "/no/such/model"], "--model '/no/such/model' does not exist"),
+    (["--model_nam", "x"], "unrecognized arguments: --model_nam x"),  # no abbreviations
+])
+def test_refused_flags_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_engine_flags_the_runtime_refuses_exit_2_before_serving(capsys):
+    from kserve_adapter.server import main
+    assert main(["--model_name", "m", "--tensor-parallel-size", "2"]) == 2
+    assert "kserve_adapter: error: --tensor-parallel-size must be 1" in capsys.readouterr().err
+
+
+def test_resolve_model_from_model_dir(tmp_path):
+    assert resolve_model(None, None) is None
+    assert resolve_model(None, str(tmp_path / "missing")) is None  # no storageUri: the embedded default
+    assert resolve_model(None, str(tmp_path)) is None  # empty
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert resolve_model(None, str(tmp_path)) == str(tmp_path / "model.gguf")  # a storageUri to one GGUF
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(None, str(tmp_path)) == str(tmp_path)  # a Hugging Face folder
+    assert resolve_model("/explicit", str(tmp_path)) == "/explicit"
+
+
+# ---- the model's engine lifecycle ----------------------------------------------------------------
+class FakeEngine:
+    max_model_len = 64
+    is_healthy = True
+
+    def __init__(self) -> None:
+        self.num_shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.num_shutdowns += 1
+        self.is_healthy = False
+
+
+def test_healthy_only_once_the_engine_is_built_and_until_it_stops():
+    engine = FakeEngine()
+    model = PagedRuntimeModel("m", ["m"], lambda: engine)
+    assert model.load() and model.ready and model.engine is True
+
+    async def run() -> list[bool]:
+        before = await model.healthy()
+        await model.start_engine()
+        during = await model.healthy()
+        model.stop_engine()
+        model.stop_engine()  # idempotent
+        return [before, during, await model.healthy()]
+
+    assert asyncio.run(run()) == [False, True, False]
+    assert engine.num_shutdowns == 1
+
+
+def test_stop_while_the_load_gate_is_closed_never_builds(monkeypatch, tmp_path):
+    monkeypatch.setenv(LOAD_GATE_ENV, str(tmp_path / "gate"))
+    builds = []
+    model = PagedRuntimeModel("m", ["m"], lambda: builds.append(1))
+
+    async def run() -> None:
+        start = asyncio.create_task(model.start_engine())
+        await asyncio.sleep(0)  # let it reach the gate
+        model.stop_engine()
+        await asyncio.wait_for(start, 10)
+
+    asyncio.run(run())
+    assert builds == [] and model.async_engine is None
+
+
+def test_stop_while_building_shuts_the_engine_down_once_built():
+    building, release, engine = threading.Event(), threading.Event(), FakeEngine()
+
+    def build() -> FakeEngine:
+        building.set()
+        assert release.wait(10)
+        return engine
+
+    model = PagedRuntimeModel("m", ["m"], build)
+
+    async def run() -> None:
+        start = asyncio.create_task(model.start_engine())
+        assert await asyncio.to_thread(building.wait, 10)
+        model.stop_engine()  # SIGTERM while the weights load
+        release.set()
+        await asyncio.wait_for(start, 10)
+
+    asyncio.run(run())
+    assert engine.num_shutdowns == 1 and model.async_engine is None and not asyncio.run(model.healthy())
+
+
+# ---- engine errors on KServe's routes ------------------------------------------------------------
+def test_engine_errors_are_503_with_a_kserve_body():
+    app = FastAPI()
+    add_engine_error_handlers(app)
+
+    @app.get("/full")
+    async def full():
+        raise EngineOverloadedError("the server is overloaded", retry_after=3)
+
+    @app.get("/dead")
+    async def dead():
+        raise EngineDeadError("the engine failed: boom")
+
+    client = TestClient(app)
+    response = client.get("/full")
+    assert (response.status_code, response.json(), response.headers["retry-after"]) == (
+        503, {"error": "the server is overloaded"}, "3")
+    response = client.get("/dead")
+    assert (response.status_code, response.json()) == (503, {"error": "the engine failed: boom"})
+
+
+# ---- v2 over gRPC --------------------------------------------------------------------------------
+def test_v2_grpc_request_gives_texts_and_plain_parameters():
+    """gRPC requests carry bytes and protobuf parameters (no floats: a float comes as a string)."""
+    from kserve.protocol.grpc.grpc_predict_v2_pb2 import ModelInferRequest
+    from kserve.protocol.infer_type import InferRequest
+    proto = ModelInferRequest(model_name="m", id="r1")
+    proto.parameters["max_tokens"].int64_param = 4
+    proto.parameters["temperature"].string_param = "0.5"
+    proto.parameters["ignore_eos"].bool_param = True
+    proto.parameters["binary_data_output"].bool_param = True  # KServe's own: not a sampling field
+    tensor = proto.inputs.add(name="text_input", datatype="BYTES", shape=[2])
+    tensor.contents.bytes_contents.extend(["héllo".encode(), b"world"])
+    request = InferRequest.from_grpc(proto)
+    assert v2_texts(request) == ["héllo", "world"]
+    fields = v2_fields(request)
+    assert fields == {"max_tokens": 4, "temperature": "0.5", "ignore_eos": True}
+    req = PromptRequest.model_validate({"prompt": "x", **fields})
+    assert (req.max_tokens, req.temperature, req.ignore_eos) == (4, 0.5, True)
