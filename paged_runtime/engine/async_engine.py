@@ -163,6 +163,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._tracked: dict[str, _Tracked] = {}  # every request with a live stream; guarded by _cond
         self._stopping = False
+        self._max_num_seqs_target: int | None = None  # a live change not yet fully applied; guarded by _cond
         self._busy = False  # the engine has unfinished requests; read and written by the loop thread only
         self._unflushed = False  # the last pass did work; the loggers get one idle pass later (loop thread only)
         # Backpressure counts, guarded by _cond: the scheduler's queue as of the last look, and requests
@@ -257,6 +258,19 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
 
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Change the batch limit live (e.g. from a Ray Serve ``reconfigure``); safe from any thread.
+
+        Raising it takes effect at the next step. Lowering it preempts nobody: no request is admitted
+        until the running ones fall below the new limit. The KV cache keeps the size it was built with.
+        """
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        self.processor.max_num_seqs = max_num_seqs  # new requests' n / best_of are checked against it at once
+        with self._cond:
+            self._max_num_seqs_target = max_num_seqs
+            self._cond.notify()
+
     @property
     def num_unfinished_requests(self) -> int:
         with self._cond:
@@ -288,7 +302,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._aborts or self._busy):
+                while not (self._stopping or self._inbox or self._aborts or self._busy
+                           or self._max_num_seqs_target is not None):
                     if not self._cond.wait(self.stats_flush_interval if self._unflushed else None):
                         break  # idle for a whole interval after activity: one empty pass flushes the loggers
                 if self._stopping:
@@ -307,6 +322,7 @@ class AsyncEngine:
     def _pass(self, inbox: list[_Submitted], aborts: list[str]) -> None:
         """One pass: add, abort, step once, deliver, record stats."""
         stats = IterationStats(time.monotonic(), 0, 0, 0.0)
+        self._apply_max_num_seqs()
         self._add(inbox)
         self._update_waiting()
         self._abort(aborts, stats)
@@ -320,6 +336,20 @@ class AsyncEngine:
         self._busy = self.engine.has_unfinished_requests()
         self._update_waiting()
         self._finish_stats(stats)
+
+    def _apply_max_num_seqs(self) -> None:
+        """Moves the scheduler's limit toward the target, never below the requests running now."""
+        with self._cond:
+            target = self._max_num_seqs_target
+        if target is None:
+            return
+        scheduler = self.engine.core.scheduler
+        scheduler.max_num_seqs = max(target, scheduler.num_running)
+        self.engine.processor.max_num_seqs = target
+        if scheduler.max_num_seqs == target:
+            with self._cond:
+                if self._max_num_seqs_target == target:  # not replaced by a newer call meanwhile
+                    self._max_num_seqs_target = None
 
     def _update_waiting(self) -> None:
         num_waiting = self.engine.core.scheduler.num_waiting

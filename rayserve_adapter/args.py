@@ -1,0 +1,124 @@
+"""The application's arguments: one pydantic model for ``serve run ... key=value``, a Serve config's ``args``
+and a KubeRay ``serveConfigV2``.
+
+Engine fields carry ``EngineConfig``'s names and defaults (vLLM's names), so ``max_num_seqs=64`` means the
+same thing here as ``--max-num-seqs 64`` does to ``paged-runtime serve``. The other fields size and place
+the Serve deployments. Values from the command line arrive as strings; pydantic converts them
+(``"64"`` -> 64, ``"false"`` -> False) and ``kv_cache_memory`` also takes ``"512MiB"`` or ``"2GiB"``.
+
+This module must stay importable without torch: the driver and the ingress replicas import it.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class AppArgs(BaseModel):
+    """Everything ``rayserve_adapter:app`` accepts; unknown names are refused (a typo must not pass silently)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # ---- the engine (EngineConfig's names) --------------------------------------------------
+    model: str | None = None  # a Hugging Face folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | list[str] | None = None
+    tokenizer: str | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = "auto"
+    device: str = "auto"
+    max_model_len: int | None = Field(default=None, ge=2)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    kv_cache_memory: int | None = Field(default=None, ge=1)  # bytes; None: a share of free memory
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    debug_checks: bool = False
+
+    # ---- HTTP -------------------------------------------------------------------------------
+    api_key: str | None = None  # require "Authorization: Bearer <key>" on /v1 routes
+    max_waiting_requests: int | None = Field(default=None, ge=1)  # the engine's own queue bound (503)
+
+    # ---- Serve: replicas, placement, admission ----------------------------------------------
+    num_replicas: int = Field(default=1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None  # Ray's AutoscalingConfig fields; our policy by default
+    num_cpus: float = Field(default=1.0, ge=0)  # per replica (its process; the step loop is one thread)
+    num_gpus: float = Field(default=0.0, ge=0)  # per replica; with tensor_parallel_size > 1, per worker
+    max_ongoing_requests: int | None = Field(default=None, ge=1)  # None: max_num_seqs
+    max_queued_requests: int = -1  # per handle; beyond it, 429 with Retry-After. -1: unbounded
+    retry_after_s: float = Field(default=1.0, ge=0)
+    prefix_aware_routing: bool = True  # multi-replica mode only
+    routing_stats_period_s: float = Field(default=2.0, gt=0)
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip().isdigit():
+            from paged_runtime.entrypoints.cli import parse_bytes  # lazily: it imports torch
+            try:
+                return parse_bytes(value)
+            except Exception as e:  # argparse's error type: say it the pydantic way
+                raise ValueError(str(e)) from None
+        return value
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_bound(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("max_queued_requests must be -1 (unbounded) or a positive integer")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AppArgs:
+        if self.tensor_parallel_size > 1:
+            # The placement (one bundle per GPU) is ready in deployment_options; the runtime is not.
+            raise ValueError("tensor_parallel_size must be 1: this runtime runs one device per replica; "
+                             "scale out with num_replicas or autoscaling_config")
+        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        return self
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def served_model_names(self) -> list[str]:
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
+        if self.served_model_name:
+            return list(self.served_model_name)
+        if self.model is not None:
+            return [self.model]
+        return ["SmolLM2-135M-Instruct"]  # paged_runtime's DEFAULT_MODEL_NAME, without importing torch
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        """Serve's per-replica concurrency: the engine's batch, so Serve never starves or floods it."""
+        return self.max_ongoing_requests or self.max_num_seqs
+
+    @property
+    def max_model_replicas(self) -> int:
+        if self.autoscaling_config is None:
+            return self.num_replicas
+        return int(self.autoscaling_config.get("max_replicas", 1))
+
+    @property
+    def multi_replica(self) -> bool:
+        """Two deployments (ingress + model, prefix-aware routing) once there can be more than one replica."""
+        return self.max_model_replicas > 1
+
+    def engine_config(self):
+        """The ``EngineConfig`` for one replica's engine (imports the runtime: call it on the replica)."""
+        from paged_runtime.config import EngineConfig
+        return EngineConfig(
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization, seed=self.seed, device=self.device,
+            enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
+            served_model_name=self.served_model_names[0], debug_checks=self.debug_checks)
+
+
+def parse_args(args: AppArgs | dict[str, Any] | None) -> AppArgs:
+    return args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})

@@ -1,0 +1,189 @@
+"""The two Serve deployments: a model replica that owns one engine, and the ingress of multi-replica mode.
+
+``EngineReplica`` (deployed as ``PagedRuntimeServer``)
+    Owns one ``AsyncEngine``, built in the replica's constructor (its step
+    loop runs on its own thread), and the runtime's OpenAI app, built on the
+    replica. In single-replica mode it is the application's ingress and Serve
+    serves the app over HTTP (``__serve_build_asgi_app__``); in multi-replica
+    mode ``forward`` runs the app for requests that come through a
+    DeploymentHandle. Serve hooks:
+
+    - ``check_health`` raises once the engine's step loop has died, so Serve
+      replaces the replica;
+    - ``reconfigure(user_config)`` applies ``max_num_seqs`` and
+      ``max_waiting_requests`` live (raise ``max_ongoing_requests`` with
+      ``max_num_seqs``: both are applied without restarting replicas);
+    - ``record_autoscaling_stats`` feeds ``autoscaling.EngineAutoscalingPolicy``;
+    - ``record_routing_stats`` feeds ``router.PrefixAffinityRouter``.
+
+``OpenAIIngress`` (deployed as ``PagedRuntimeIngress``)
+    Forwards every HTTP request, unparsed, through a streaming handle to the
+    model deployment, with the prompt text as the routing key; streams the
+    response back. When the model deployment's queue is full it answers 429
+    with ``Retry-After`` in OpenAI's error shape. A client that goes away
+    cancels the handle call, which the replica sees as a disconnect.
+
+Nothing here imports torch at module level: the ingress replica and the driver
+import this module; only a model replica's constructor loads the runtime.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from functools import cached_property
+from typing import Any
+
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rayserve_adapter.args import AppArgs, parse_args
+from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
+from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
+from rayserve_adapter.router import routing_key
+
+MODEL_DEPLOYMENT = "PagedRuntimeServer"
+INGRESS_DEPLOYMENT = "PagedRuntimeIngress"
+LIVE_SETTINGS = frozenset({"max_num_seqs", "max_waiting_requests"})  # what reconfigure applies
+HTTP_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class EngineReplica:
+    """One engine per replica (see the module docstring). Plain Python: tests run it without Ray."""
+
+    def __init__(self, args: AppArgs | dict[str, Any] | None = None) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from paged_runtime.engine.async_engine import AsyncEngine
+        from paged_runtime.metrics import LoggingStatLogger, PrometheusStatLogger
+        self.args = parse_args(args)
+        self.registry = CollectorRegistry()  # this replica's /metrics shows this replica's engine only
+        loggers = [PrometheusStatLogger(self.args.served_model_names[0], self.registry), LoggingStatLogger()]
+        self.engine = AsyncEngine.from_config(self.args.engine_config(),
+                                              max_waiting_requests=self.args.max_waiting_requests,
+                                              stat_loggers=loggers)
+
+    @cached_property
+    def asgi_app(self):
+        from paged_runtime.entrypoints.openai import build_app
+        return build_app(self.engine, self.args.served_model_names, api_key=self.args.api_key,
+                         registry=self.registry, model_root=str(self.engine.engine.model_path))
+
+    def __serve_build_asgi_app__(self):
+        return self.asgi_app
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """A request from the ingress: the ResponseStart, then the body in chunks (closing it aborts)."""
+        async with contextlib.aclosing(stream_asgi(self.asgi_app, request)) as parts:  # closing us closes it
+            async for part in parts:
+                yield part
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        config = dict(user_config or {})
+        unknown = sorted(set(config) - LIVE_SETTINGS)
+        if unknown:
+            raise ValueError(f"user_config keys {unknown} cannot be changed live; known: {sorted(LIVE_SETTINGS)}")
+        if "max_num_seqs" in config:
+            self.engine.set_max_num_seqs(int(config["max_num_seqs"]))
+        if "max_waiting_requests" in config:
+            limit = config["max_waiting_requests"]
+            if limit is not None and int(limit) < 1:
+                raise ValueError(f"max_waiting_requests must be at least 1 or null, got {limit}")
+            self.engine.max_waiting_requests = None if limit is None else int(limit)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        stats = self.engine.stats
+        return {NUM_WAITING: stats.num_waiting, KV_CACHE_USAGE: stats.kv_cache_usage, NUM_RUNNING: stats.num_running}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The engine's state for the router (KV usage breaks its last ties) and for operators: in
+        multi-replica mode /metrics reaches one replica at a time, these stats reach each one."""
+        stats = self.engine.stats
+        aborted = self.registry.get_sample_value(
+            "vllm:request_success_total", {"model_name": self.args.served_model_names[0], "finished_reason": "abort"})
+        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "kv_cache_usage": stats.kv_cache_usage, "num_prefix_queries": stats.num_prefix_queries,
+                "num_prefix_hits": stats.num_prefix_hits, "num_preemptions": stats.num_preemptions,
+                "num_aborted_requests": int(aborted or 0), "healthy": self.engine.is_healthy}
+
+    def shutdown(self) -> None:
+        engine = self.__dict__.get("engine")  # absent if the constructor failed
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+
+class OpenAIIngress:
+    """Multi-replica mode's HTTP front: forwards to the model deployment (see the module docstring)."""
+
+    def __init__(self, model: DeploymentHandle) -> None:
+        self.model = model.options(stream=True)
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return Starlette(routes=[Route("/{path:path}", self.proxy, methods=HTTP_METHODS)])
+
+    async def proxy(self, request: Request) -> Response:
+        forwarded = await _forwarded(request)
+        stream: DeploymentResponseGenerator = self.model.forward.remote(forwarded)
+        handed_over = False
+        try:
+            start = await stream.__anext__()
+            headers = start.end_to_end_headers()
+            if (start.header("content-type") or "").startswith("text/event-stream"):
+                handed_over = True  # the response body now owns the stream
+                return StreamingResponse(_rest(stream), status_code=start.status, headers=headers)
+            body = b"".join([chunk async for chunk in stream])
+            handed_over = True
+            return Response(body, status_code=start.status, headers=headers)
+        except BackPressureError as e:
+            handed_over = True
+            return overloaded(e)
+        finally:
+            if not handed_over:  # cancelled (the client left) or failed: the replica must abort too. Serve
+                stream.cancel()  # propagates a cancelled request to its child calls; this does not rely on it
+
+
+async def _forwarded(request: Request) -> ForwardedRequest:
+    scope = request.scope
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"  # the model replica's app is mounted at "/"
+    body = await request.body()
+    return ForwardedRequest(request.method, path, scope.get("query_string", b""), tuple(scope["headers"]), body,
+                            routing_key(path, body))
+
+
+async def _rest(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        finished = True
+    finally:
+        if not finished:
+            stream.cancel()
+
+
+def overloaded(e: BackPressureError) -> JSONResponse:
+    """Serve's backpressure as an OpenAI error body, with the status and Retry-After the deployment asks for."""
+    headers = {} if e.retry_after_s is None else {"Retry-After": str(max(0, math.ceil(e.retry_after_s)))}
+    body = {"error": {"message": f"the server is overloaded: {e.message} Retry later.", "type": "server_overloaded",
+                      "param": None, "code": "rate_limit_exceeded" if e.status_code == 429 else "server_overloaded"}}
+    return JSONResponse(body, status_code=e.status_code, headers=headers)
+
+
+# The model deployment in its two roles (Serve allows one ASGI ingress per application): serving HTTP
+# itself in single-replica mode, and behind PagedRuntimeIngress, reached through ``forward``, otherwise.
+PagedRuntimeServer = serve.deployment(name=MODEL_DEPLOYMENT)(serve.ingress()(EngineReplica))
+PagedRuntimeBackend = serve.deployment(name=MODEL_DEPLOYMENT)(EngineReplica)
+PagedRuntimeIngress = serve.deployment(name=INGRESS_DEPLOYMENT)(serve.ingress()(OpenAIIngress))

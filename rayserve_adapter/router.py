@@ -1,0 +1,211 @@
+"""Prefix-aware request routing across model replicas, on Ray Serve's request-router API.
+
+A replica's prefix cache only helps requests that reach *that* replica, so
+requests sharing a prompt prefix should land together. The ingress puts each
+request's prompt text in ``ForwardedRequest.routing_key``; the router
+remembers, per replica, which prompt prefixes it was sent, and sends a request
+to the replica holding the longest match.
+
+``PrefixIndex`` works like the engine's own block hashing, on characters:
+a key is cut into ``chunk_chars``-sized chunks, chunk ``i`` is identified by
+``hash(hash of chunk i-1, text of chunk i)``, and each chunk hash maps to the
+replicas that were sent it. A replica matches a key to depth ``d`` when it
+holds the hash of the key's ``d``-th chunk (chains make the earlier ones
+implied). Entries are LRU-bounded; a trailing partial chunk is ignored.
+
+Ranking (``rank_replicas``), per request:
+
+- match: the replica with the longest match, if it covers at least
+  ``min_match_ratio`` of the key and its load (Serve's ongoing-request count)
+  exceeds the least-loaded replica's by at most ``max_imbalance``;
+- otherwise (no useful match, or the owner is hot): the least-loaded replica,
+  ties broken by fewer indexed chunks, so fresh prefixes spread across
+  replicas, then by lower KV usage (``record_routing_stats``: up to a stats
+  period old, so it only breaks ties the router's own state cannot).
+
+The chosen replica comes first; the others follow as a fallback rank (Serve
+skips a replica whose ongoing requests are at ``max_ongoing_requests``).
+Requests without a key (``/health``, ``/metrics``, ``/v1/models``, short
+prompts) are routed by power of two choices.
+
+Pickled by value into every process that holds a handle to the model
+deployment: this module imports only Ray Serve and the standard library.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+KV_CACHE_USAGE_STAT = "kv_cache_usage"  # the model replica's record_routing_stats key
+
+
+class PrefixIndex:
+    """Which replicas were sent which prompt prefixes; bounded to ``max_chunks`` chunk hashes (LRU)."""
+
+    def __init__(self, chunk_chars: int = 64, max_chunks: int = 100_000) -> None:
+        if chunk_chars < 1 or max_chunks < 1:
+            raise ValueError("chunk_chars and max_chunks must be positive")
+        self.chunk_chars = chunk_chars
+        self.max_chunks = max_chunks
+        self._owners: OrderedDict[bytes, set[Hashable]] = OrderedDict()  # chunk hash -> replicas, LRU order
+        self._num_chunks: dict[Hashable, int] = {}  # replica -> chunk hashes it appears under
+
+    def chunk_hashes(self, key: str) -> list[bytes]:
+        hashes, parent = [], b""
+        for start in range(0, len(key) - self.chunk_chars + 1, self.chunk_chars):
+            parent = hashlib.blake2b(parent + key[start:start + self.chunk_chars].encode(), digest_size=16).digest()
+            hashes.append(parent)
+        return hashes
+
+    def match(self, key: str) -> tuple[dict[Hashable, int], int]:
+        """({replica: matched chunks}, chunks in the key); replicas without a match are absent."""
+        hashes = self.chunk_hashes(key)
+        depths: dict[Hashable, int] = {}
+        for depth, chunk_hash in enumerate(hashes, start=1):
+            owners = self._owners.get(chunk_hash)
+            if not owners:
+                break
+            self._owners.move_to_end(chunk_hash)
+            for replica in owners:
+                depths[replica] = depth
+        return depths, len(hashes)
+
+    def insert(self, key: str, replica: Hashable) -> None:
+        for chunk_hash in self.chunk_hashes(key):
+            owners = self._owners.setdefault(chunk_hash, set())
+            self._owners.move_to_end(chunk_hash)
+            if replica not in owners:
+                owners.add(replica)
+                self._num_chunks[replica] = self._num_chunks.get(replica, 0) + 1
+        while len(self._owners) > self.max_chunks:
+            _, owners = self._owners.popitem(last=False)
+            for owner in owners:
+                self._num_chunks[owner] -= 1
+
+    def remove_replicas(self, replicas: Iterable[Hashable]) -> None:
+        gone = set(replicas)
+        for chunk_hash in list(self._owners):
+            owners = self._owners[chunk_hash]
+            owners -= gone
+            if not owners:
+                del self._owners[chunk_hash]
+        for replica in gone:
+            self._num_chunks.pop(replica, None)
+
+    def num_chunks(self, replica: Hashable) -> int:
+        return self._num_chunks.get(replica, 0)
+
+
+def rank_replicas(replica_ids: list[Hashable], loads: Mapping[Hashable, int], depths: Mapping[Hashable, int],
+                  num_key_chunks: int, kv_usages: Mapping[Hashable, float], index: PrefixIndex, *,
+                  min_match_ratio: float, max_imbalance: int) -> list[list[Hashable]]:
+    """[[chosen], [the others, least loaded first]] (see the module docstring)."""
+    least_load = min(loads[r] for r in replica_ids)
+    owner = max(replica_ids, key=lambda r: (depths.get(r, 0), -loads[r]))
+    useful = num_key_chunks > 0 and depths.get(owner, 0) >= min_match_ratio * num_key_chunks
+    if useful and loads[owner] - least_load <= max_imbalance:
+        chosen = owner
+    else:
+        chosen = min(replica_ids, key=lambda r: (loads[r], index.num_chunks(r), kv_usages.get(r, 0.0)))
+    others = sorted((r for r in replica_ids if r != chosen), key=lambda r: loads[r])
+    return [[chosen], others] if others else [[chosen]]
+
+
+def routing_key(path: str, body: bytes) -> str | None:
+    """The text prefix-aware routing matches on: a completion's prompt, or a chat's message contents.
+
+    Chat messages are joined as ``role: content`` lines (the chat template, which adds the same
+    system text to every prompt, is the replica's business). Token-id prompts become their ids
+    as text. None for anything else, or a body that is not JSON: such requests route by load.
+    """
+    if not path.endswith(("/completions", "/chat/completions")):
+        return None
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("messages"), list):
+        return "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in data["messages"] if isinstance(m, dict))
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of prompts goes to one replica: route on the first
+    if isinstance(prompt, list):
+        return " ".join(str(t) for t in prompt)
+    return prompt if isinstance(prompt, str) else None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    return ""
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Serve's request router for the model deployment: prefix affinity, least-loaded when the owner is hot.
+
+    ``request_router_kwargs``: ``chunk_chars`` (64), ``max_chunks`` (100,000),
+    ``min_match_ratio`` (0.1), ``max_imbalance`` (4 ongoing requests).
+    """
+
+    def initialize_state(self, chunk_chars: int = 64, max_chunks: int = 100_000, min_match_ratio: float = 0.1,
+                         max_imbalance: int = 4) -> None:
+        self.index = PrefixIndex(chunk_chars, max_chunks)
+        self.min_match_ratio = min_match_ratio
+        self.max_imbalance = max_imbalance
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        key = _request_key(pending_request)
+        if key is None:  # power of two choices: Serve sends it to the less loaded of two at random
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        depths, num_chunks = self.index.match(key)
+        ranks = rank_replicas(list(by_id), {rid: self._load(rid) for rid in by_id}, depths, num_chunks,
+                              {rid: _kv_usage(r) for rid, r in by_id.items()}, self.index,
+                              min_match_ratio=self.min_match_ratio, max_imbalance=self.max_imbalance)
+        return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        key = _request_key(pending_request)
+        if key is not None:
+            self.index.insert(key, replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        if gone:
+            self.index.remove_replicas(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.remove_replicas([replica_id])
+
+    def _load(self, replica_id: ReplicaID) -> int:
+        """Ongoing requests as this router last saw them (sends counted at once); unknown counts as idle."""
+        return self.replica_queue_len_cache.get(replica_id) or 0
+
+
+def _request_key(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    key = getattr(pending_request.args[0], "routing_key", None)
+    return key if isinstance(key, str) and key else None
+
+
+def _kv_usage(replica: RunningReplica) -> float:
+    stats = replica.routing_stats or {}
+    value = stats.get(KV_CACHE_USAGE_STAT, 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0
