@@ -11,11 +11,11 @@
 7. logprobs of the sampled token (and its rank) and the top ones, from step 1.
 
 Rows with a top-k / top-p / min_p filter are sampled among their most likely
-candidates (a top-k of 64, then 1,024, tokens): the filtered support almost
-always fits, and a row's noise then covers only its support instead of the
-whole vocabulary. Whether a row fits, and how many noise values it draws,
-depends on that row alone, which keeps seeded draws batch-invariant. Rows that
-do not fit, and unfiltered rows, race over the full vocabulary.
+candidates (a top-k of 64, then 1,024, then 8,192 tokens; a full sort for the
+rare row whose support is wider still): a row's noise then covers only its
+support instead of the whole vocabulary. Whether a row fits a width, and how
+many noise values it draws, depends on that row alone, which keeps seeded
+draws batch-invariant. Unfiltered rows race over the full vocabulary.
 
 Each stage runs only when some row needs it; per-request data is gathered
 into dense (or, for penalties, sparse) tensors once per step by the model runner.
@@ -104,8 +104,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return logits
 
 
-# Candidate widths tried in turn for filtered rows; rows whose support fits in none race over the vocabulary.
-_CANDIDATE_WIDTHS = (64, 1024)
+# Candidate widths tried in turn for filtered rows; a row whose support fits in none is sorted whole.
+_CANDIDATE_WIDTHS = (64, 1024, 8192)
 
 
 @dataclass(slots=True)
@@ -117,6 +117,8 @@ class _Rows:
     generators: list[torch.Generator | None]
 
     def take(self, index: list[int]) -> _Rows:
+        if index == list(range(self.logits.shape[0])):
+            return self
         at = torch.tensor(index, device=self.logits.device)
         pick = lambda t: t[at] if t is not None else None
         return _Rows(self.logits[at], pick(self.top_k), pick(self.top_p), [self.generators[i] for i in index])
@@ -178,7 +180,7 @@ class Sampler:
     def _sample(self, rows: _Rows, filtered: torch.Tensor) -> torch.Tensor:
         tokens = torch.empty(rows.logits.shape[0], dtype=torch.long, device=rows.logits.device)
         pending = filtered.nonzero().squeeze(1).tolist()
-        for width in _CANDIDATE_WIDTHS:
+        for width in _CANDIDATE_WIDTHS + (rows.logits.shape[-1],):  # the whole vocabulary always fits
             if not pending:
                 break
             fits, chosen = self._sample_candidates(rows.take(pending), width)
@@ -187,9 +189,9 @@ class Sampler:
             if done:
                 tokens[torch.tensor(done, device=tokens.device)] = chosen[fits]
             pending = [row for row, ok in zip(pending, fit_list) if not ok]
-        wide = sorted(pending + (~filtered).nonzero().squeeze(1).tolist())
-        if wide:
-            tokens[torch.tensor(wide, device=tokens.device)] = self._sample_vocabulary(rows.take(wide))
+        unfiltered = (~filtered).nonzero().squeeze(1).tolist()
+        if unfiltered:
+            tokens[torch.tensor(unfiltered, device=tokens.device)] = self._sample_vocabulary(rows.take(unfiltered))
         return tokens
 
     def _sample_candidates(self, rows: _Rows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +199,8 @@ class Sampler:
         a row fits when no token outside its candidates can be in its filtered support."""
         logits, vocab = rows.logits, rows.logits.shape[-1]
         width = min(width, vocab)
-        values, ids = logits.topk(width, dim=-1)  # descending; -inf (min_p) sorts last
+        # Descending; -inf (min_p) sorts last. A full-width top-k is a sort, and sort is no slower.
+        values, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
         keep = torch.isfinite(values)
         fits = ~keep[:, -1] if width < vocab else torch.ones_like(keep[:, 0])
         normaliser = logits.logsumexp(dim=-1, keepdim=True)
@@ -227,7 +230,8 @@ class Sampler:
         return fits, ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
 
     def _sample_vocabulary(self, rows: _Rows) -> torch.Tensor:
-        probs = apply_top_k_top_p(rows.logits, rows.top_k, rows.top_p).softmax(dim=-1)
+        """Unfiltered rows: the race over every token."""
+        probs = rows.logits.softmax(dim=-1)
         return probs.div_(self._noise(probs, rows.generators, None)).argmax(dim=-1)
 
     def _noise(self, like: torch.Tensor, generators: list[torch.Generator | None],

@@ -102,10 +102,10 @@ def test_per_row_generators_are_independent_of_neighbours():
     assert crowd[1] == alone[0]
 
 
-@pytest.fixture(params=[(64, 1024), (4,), (2,), ()], ids=["candidates", "width-4", "width-2", "vocabulary"])
+@pytest.fixture(params=[(64, 1024), (4,), (2,), ()], ids=["candidates", "width-4", "width-2", "sorted"])
 def candidate_widths(request, monkeypatch):
     """Runs a test with each candidate-width ladder: every filtered row fits (V = 6 <= 64), the
-    3-token supports fit, none fits (fallback after a try), and no candidate path at all."""
+    3-token supports fit, none fits (a full sort after a try), and the full sort alone."""
     from paged_runtime.sample import sampler
     monkeypatch.setattr(sampler, "_CANDIDATE_WIDTHS", request.param)
     return request.param
