@@ -127,6 +127,7 @@ class _Rows:
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
+        self._scratch = torch.Generator(device=generator.device)  # reseeded per seeded row per step
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         source = logits
@@ -236,8 +237,10 @@ class Sampler:
 
     def _noise(self, like: torch.Tensor, generators: list[torch.Generator | None],
                lengths: list[int] | None) -> torch.Tensor:
-        """Exp(1) noise shaped like ``like``. Seeded rows draw only their first ``lengths[i]``
-        values (all when None) from their own generator; the rest of their row is 1."""
+        """Exp(1) noise shaped like ``like``. A seeded row takes exactly one value from its own
+        generator per step and seeds a scratch generator with it for its first ``lengths[i]`` values
+        (all when None; the rest of its row is 1): how far its generator advances must not depend on
+        its support size, which can shift by a token at a numerically close boundary."""
         noise = torch.ones_like(like) if lengths is not None else torch.empty_like(like)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(generators):
@@ -248,7 +251,9 @@ class Sampler:
                 generator=self.generator)
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i, :like.shape[1] if lengths is None else lengths[i]].exponential_(generator=g)
+                seed = int(torch.randint(2**62, (1,), generator=g, device=g.device))
+                self._scratch.manual_seed(seed)
+                noise[i, :like.shape[1] if lengths is None else lengths[i]].exponential_(generator=self._scratch)
         return noise
 
     @staticmethod

@@ -170,3 +170,16 @@ def test_top_p_one_keeps_the_whole_top_k():
                             top_p=torch.ones(20_000))
     tokens = Sampler(torch.Generator().manual_seed(0))(logits.expand(20_000, -1).clone(), meta).token_ids
     assert set(tokens.tolist()) == set(range(7))
+
+
+def test_a_seeded_row_advances_its_generator_by_one_draw_whatever_its_support():
+    """Support sizes can shift by a token at a numerically close nucleus boundary (batch shape changes
+    reduction order); the request's later draws must not shift with them."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(3)) * 2
+    after = []
+    for top_k in (3, 40, 300):
+        g = torch.Generator().manual_seed(11)
+        meta = SamplingMetadata(torch.ones(1), False, [g], top_k=torch.tensor([top_k]))
+        Sampler(torch.Generator().manual_seed(0))(logits.clone(), meta)
+        after.append(torch.rand(1, generator=g).item())
+    assert after[0] == after[1] == after[2]
