@@ -243,3 +243,43 @@ def test_shutdown_fails_inflight_requests(tiny_llama_dir):
 
     asyncio.run(asyncio.wait_for(run(), 30))
     assert not engine.is_healthy
+
+
+def test_speculative_decoding_streams_several_tokens_a_step_and_counts_them(tiny_llama_dir, tiny_llm):
+    """A draft model equal to the target accepts every draft: the stream gets k + 1 tokens a step,
+    the text equals plain decoding, and the loggers see every draft and acceptance exactly once."""
+    class Recorder:
+        def __init__(self):
+            self.drafts = self.draft_tokens = self.accepted = 0
+            self.per_position = [0, 0, 0]
+
+        def record(self, stats):
+            self.drafts += stats.num_spec_drafts
+            self.draft_tokens += stats.num_spec_draft_tokens
+            self.accepted += stats.num_spec_accepted_tokens
+            self.per_position = [a + b for a, b in zip(self.per_position, stats.spec_accepted_per_position)]
+
+        def close(self):
+            pass
+
+    recorder = Recorder()
+    engine = make_engine(tiny_llama_dir, stat_loggers=[recorder],
+                         speculative_config={"method": "draft_model", "model": str(tiny_llama_dir),
+                                             "num_speculative_tokens": 3})
+
+    async def run():
+        return [out async for out in engine.generate(PROMPT, greedy(max_tokens=21), request_id="s")]
+
+    try:
+        outputs = asyncio.run(run())
+        asyncio.run(wait_idle(engine))
+        spec = engine.engine.core.spec_stats
+    finally:
+        engine.shutdown()
+    expected = tiny_llm.generate([PROMPT], greedy(max_tokens=21), use_tqdm=False)[0].outputs[0]
+    assert "".join(o.outputs[0].delta_text for o in outputs) == expected.text
+    # The first token comes from the prefill; then 5 verifications of 3 drafts give 4 tokens each.
+    assert [len(o.outputs[0].delta_token_ids) for o in outputs] == [1, 4, 4, 4, 4, 4]
+    assert (recorder.drafts, recorder.draft_tokens, recorder.accepted, recorder.per_position) == (
+        spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.accepted_per_position) == (
+        5, 15, 15, [5, 5, 5])
