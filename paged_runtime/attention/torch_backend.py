@@ -45,6 +45,10 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]  # one-token queries, the first rows of the batch
     prefills: list[PrefillChunk]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, self, scale)
+
 
 def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor) -> DecodeGroup:
     mask = None

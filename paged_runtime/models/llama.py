@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_runtime.attention.torch_backend import AttentionMetadata, paged_attention
+from paged_runtime.attention import AttentionMetadata
 from paged_runtime.models.config import ModelConfig
 
 
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), *rope)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = meta.attend(q, k, v, kv_cache, self.scale)  # the backend the runner built meta for
         return F.linear(out.reshape(-1, self.q_size), self.o_weight)
 
 

@@ -13,6 +13,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from paged_runtime.attention import select_backend, triton_backend
 from paged_runtime.attention.torch_backend import AttentionMetadata, PrefillChunk, causal_mask, decode_group
 from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
@@ -65,6 +66,7 @@ class ModelRunner:
                  dtype: torch.dtype, seed: int, drafter: DraftModelProposer | None = None) -> None:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
+        self.attention_backend = select_backend(device)
         if device.type == "cpu":
             keep_freed_memory_mapped()
         shape = (num_blocks * block_size, 2, c.num_kv_heads, c.head_dim)
@@ -172,6 +174,8 @@ class ModelRunner:
     def prepare_inputs(self, items: list[ScheduledRequest]):
         """Flat token ids, positions and attention metadata; ``items`` hold single-token queries
         and speculating requests first (by ascending start), then multi-token chunks."""
+        if self.attention_backend == "triton":
+            return self._varlen_inputs(items)
         decodes = [s for s in items if s.num_scheduled == 1 or s.num_spec]
         prefills = items[len(decodes):]
         ids, pos, slots = [], [], []
@@ -191,6 +195,14 @@ class ModelRunner:
             start += s.num_scheduled
         to = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int64)).to(self.device)
         return to(ids), to(pos), AttentionMetadata(to(slots), groups, chunks)
+
+    def _varlen_inputs(self, items: list[ScheduledRequest]):
+        """Triton backend: each item is one causal varlen query of its ``num_scheduled`` tokens from
+        ``start`` (decodes, prompt chunks and verification alike), in the same flat order as above."""
+        positions, meta = triton_backend.build_metadata(items, self.block_size, self.device)
+        ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in items), np.int64, len(positions))
+        to = lambda a: torch.from_numpy(a).to(self.device)
+        return to(ids), to(positions), meta
 
     def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[..., positions // self.block_size] * self.block_size + positions % self.block_size

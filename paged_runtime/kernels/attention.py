@@ -1,0 +1,242 @@
+"""Unified paged attention: one launch for a mixed batch of varlen queries.
+
+Inputs (B sequences, T query tokens, H query heads sharing Hkv KV heads, head dim D)::
+
+    q, out           [T, H, D]        query tokens, sequence after sequence
+    kv_cache         [num_slots, 2, Hkv, D]   a slot's key at [slot, 0], value at [slot, 1]
+    query_start_loc  [B + 1] int32    sequence i's queries are rows query_start_loc[i] ..[i + 1]
+    seq_lens         [B] int32        sequence i's context length, its new tokens included
+    block_tables     [B, max_blocks] int32   key p of sequence i is in slot
+                                      block_tables[i, p // block_size] * block_size + p % block_size
+
+Query j of sequence i (q_len new tokens) sits at position ``seq_lens[i] - q_len + j`` and
+attends to keys 0 .. that position: causal within the new tokens, everything cached
+before them (earlier chunks, prefix-cache hits). Decodes, prompt chunks and speculative
+verification rows are all this one case. Query head h reads KV head h // (H / Hkv).
+
+Programs: ``grid = (T // BLOCK_Q + B, Hkv, num_segments)``. A program takes a tile of
+up to BLOCK_Q consecutive queries of one sequence times the GROUP = H / Hkv query heads
+that share KV head ``program_id(1)``: BLOCK_M >= BLOCK_Q * GROUP rows, so every KV tile
+it loads serves the whole group. Sequence i's tiles are numbered from
+``query_start_loc[i] // BLOCK_Q + i``::
+
+    BLOCK_Q = 4, query lengths 4, 1, 3        (query_start_loc = 0, 4, 5, 8)
+    tile id   0    1    2    3    4               (grid: 8 // 4 + 3 = 5 tiles)
+              s0   --   s1   s2   --              (-- : a gap, the program exits)
+
+The numbering never overlaps, and its end ``T // BLOCK_Q + B`` depends on shapes only,
+so the grid is sized without reading device tensors (no host sync, fixed for a fixed
+batch shape). A program finds its sequence by binary search over ``query_start_loc``.
+
+Each program runs an online softmax in fp32 over its keys in tiles of TILE_N keys (a tile
+may span several cache blocks: each key looks up its own block id). Scores are kept
+in log2 units (scale * log2 e folded into the scale) so exp2 replaces exp.
+
+Split-KV (``num_segments > 1``): segment s of a program covers an equal share of its key
+tiles and writes fp32 partials (running max, sum, unnormalised output) instead of the
+output; ``_reduce_segments_kernel`` merges them. ``num_kv_splits`` says when.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TILE_N = 32  # keys per inner-loop step
+# Split-KV rule (see num_kv_splits).
+SPLIT_MIN_PROGRAMS = 256  # about two waves of programs on a 132-SM H100
+SPLIT_MIN_SEGMENT_LEN = 512  # keys: shorter segments cost more in the second pass than they save
+SPLIT_MAX_SEGMENTS = 16
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+    """Segments per context: 1 (single pass) unless the batch is decode-only and its
+    (sequence x KV head) programs are too few to fill the GPU; then enough segments to
+    reach SPLIT_MIN_PROGRAMS programs, at most SPLIT_MAX_SEGMENTS and none shorter than
+    SPLIT_MIN_SEGMENT_LEN keys of the longest context. Host integers only."""
+    programs = num_seqs * num_kv_heads
+    if max_query_len > 1 or programs >= SPLIT_MIN_PROGRAMS:
+        return 1
+    return max(1, min(SPLIT_MAX_SEGMENTS, SPLIT_MIN_PROGRAMS // programs, max_seq_len // SPLIT_MIN_SEGMENT_LEN))
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning ``tile``: the last i with query_start_loc[i] // BLOCK_Q + i <= tile."""
+    lo = tile * 0
+    hi = tile * 0 + num_seqs - 1  # tensors from the start: loop-carried values keep one type
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        owns = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2, num_seqs,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_slot, stride_c_kv, stride_c_h, stride_bt,
+    stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    # Row r: query q_tile * BLOCK_Q + r // GROUP of the sequence, head r % GROUP of the group.
+    row = tl.arange(0, BLOCK_M)
+    query = q_tile * BLOCK_Q + row // GROUP
+    head = kv_head * GROUP + row % GROUP
+    row_ok = (row < BLOCK_Q * GROUP) & (query < q_len)
+    position = ctx_len - q_len + query
+    token = q_start + query
+    dim = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dim < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dim[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys 0 .. kv_end - 1 are visible to the tile's last query; a segment takes its share of them.
+    kv_end = ctx_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    num_kv_tiles = tl.cdiv(kv_end, TILE_N)
+    if SPLIT:
+        per_segment = tl.cdiv(num_kv_tiles, tl.num_programs(2))
+        first = tl.program_id(2) * per_segment
+        last = tl.minimum(first + per_segment, num_kv_tiles)
+    else:
+        first = 0
+        last = num_kv_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = cache_ptr + kv_head * stride_c_h
+    for kv_tile in range(first, last):
+        key = kv_tile * TILE_N + tl.arange(0, TILE_N)
+        key_ok = key < kv_end  # masked keys load as 0: never read a slot outside the context
+        block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + key % BLOCK_SIZE  # int64: slot * stride overflows int32 in big caches
+        k = tl.load(kv_base + slot[None, :] * stride_c_slot + dim[:, None],
+                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [D, TILE_N]
+        v = tl.load(kv_base + stride_c_kv + slot[:, None] * stride_c_slot + dim[None, :],
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, D]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key[None, :] <= position[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no visible key so far keeps m = -inf; measuring from 0 then gives
+        # exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        segment = tl.program_id(2)
+        stats = token * stride_pm_t + head * stride_pm_h + segment
+        tl.store(part_max_ptr + stats, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + stats, l_i, mask=row_ok)
+        partial = part_acc_ptr + token[:, None] * stride_pa_t + head[:, None] * stride_pa_h \
+            + segment * stride_pa_s + dim[None, :]
+        tl.store(partial, acc, mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        l_i = tl.where(row_ok, l_i, 1.0)  # padding rows: avoid 0 / 0 (they are not stored)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dim[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_segments,
+    stride_o_t, stride_o_h, stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SEGMENTS_P: tl.constexpr,
+):
+    """One program per (token, query head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    segment = tl.arange(0, SEGMENTS_P)
+    segment_ok = segment < num_segments
+    stats = token * stride_pm_t + head * stride_pm_h + segment
+    m = tl.load(part_max_ptr + stats, mask=segment_ok, other=float("-inf"))
+    total = tl.load(part_sum_ptr + stats, mask=segment_ok, other=0.0)
+    # Finite: segment 0 always holds key 0, which every query sees. Empty segments have m = -inf, weight 0.
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    dim = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dim < HEAD_DIM
+    acc = tl.load(part_acc_ptr + token * stride_pa_t + head * stride_pa_h + segment[:, None] * stride_pa_s
+                  + dim[None, :], mask=segment_ok[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dim, out.to(out_ptr.dtype.element_ty),
+             mask=dim_ok)
+
+
+def _block_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows per program and queries per tile. 16 rows (tl.dot's minimum)
+    when queries are short, so a decode wastes little; 64 when prompt chunks can fill them."""
+    block_m = 64 if max_query_len * group >= 64 else 16
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
+                    scale: float, num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every query in ``q`` ([T, H, D]) over its sequence's paged context
+    (layout in the module docstring); returns ``out`` ([T, H, D], q's dtype).
+
+    ``max_query_len`` is a host-side upper bound on any sequence's query count (it picks
+    the tile shape); ``num_splits > 1`` runs the split-KV variant with that many segments.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2]
+    assert kv_cache.shape[1] == 2 and kv_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m, block_q = _block_shape(group, max_query_len)
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused: the SPLIT branch is compiled out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q, out, kv_cache, query_start_loc, seq_lens, block_tables,
+        part_acc, part_max, part_sum,
+        scale * 1.4426950408889634, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_max.stride(0), part_max.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+        TILE_N=TILE_N, BLOCK_SIZE=block_size, SPLIT=split,
+        # fp32 models get fp32 products, not TF32 (10-bit mantissa) tensor-core ones.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
+    if split:
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, num_splits,
+            out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_max.stride(0), part_max.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SEGMENTS_P=triton.next_power_of_2(num_splits),
+        )
+    return out
