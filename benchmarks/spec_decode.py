@@ -11,6 +11,7 @@ What it measures
        ``--draft-layers`` layers (no smaller sibling can be downloaded here).
 
     Batch 1 runs the prompts one after another; batch 16 submits them together.
+    The systems run interleaved, ``--repeats`` times, and each keeps its fastest run.
     tokens/s = output tokens / wall seconds. Mean accepted length = tokens
     emitted per verification = 1 + accepted drafts / verifications. Every
     speculative run is compared with the plain run of the same batch size in
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--draft-layers", type=int, default=4)
     p.add_argument("--batch-1-prompts", type=int, default=4, help="prompts run one at a time for batch 1")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the fastest is kept")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -92,14 +94,23 @@ def main(argv=None) -> int:
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4},
                f"draft ({args.draft_layers} layers)": {"method": "draft_model", "model": str(draft),
                                                         "num_speculative_tokens": args.k}}
-    rows = []
+    engines = {}
     for name, spec in configs.items():
         llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory=512 * 2**20, speculative_config=spec)
         texts = prompts(llm.get_tokenizer(), args.num_prompts)
         llm.generate(texts[:1], use_tqdm=False)  # warm-up
+        engines[name] = llm
+    # Interleaved repeats (plain, ngram, draft, plain, ...): the fastest of each row is reported, so
+    # a burst of load from elsewhere on a shared machine hits every system alike rather than one.
+    best: dict[tuple[str, int], dict] = {}
+    for _ in range(args.repeats):
         for batch, subset in ((1, texts[:args.batch_1_prompts]), (16, texts)):
-            rows.append({"system": name, **run(llm, subset, batch, args.max_tokens)})
-        del llm
+            for name, llm in engines.items():
+                row = {"system": name, **run(llm, subset, batch, args.max_tokens)}
+                key = (name, batch)
+                if key not in best or row["seconds"] < best[key]["seconds"]:
+                    best[key] = row
+    rows = sorted(best.values(), key=lambda r: (list(configs).index(r["system"]), r["batch"]))
     plain = {r["batch"]: r for r in rows if r["system"] == "plain"}
     print(f"{'system':<22}{'batch':>6}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'accepted len':>14}{'vs plain':>10}")
     for r in rows:
