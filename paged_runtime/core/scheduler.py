@@ -21,6 +21,11 @@ Parallel sampling (n / best_of): a request computes all but its last prompt
 token, then forks into best_of sequences that share every block (the partial
 tail too, copy-on-write). Each sequence computes the last token itself and
 samples from there, so the prompt's KV is computed once.
+
+Speculative decoding: a decoding request may also get slots for draft tokens
+(``num_spec``), verified after its last token in the same step; drafts never
+cost anyone a preemption. After the step, accepted drafts count as computed and
+rejected ones' slots are simply written again later.
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
-"""Executes a scheduled step: flat batch in, one sampled token per finished chunk out.
+"""Executes a scheduled step: flat batch in, new tokens out.
 
 The runner never decides who runs. It turns a ``SchedulerOutput`` into flat
 tensors (token ids, positions, slot mapping, attention metadata), runs the
-model, computes logits only where a token is sampled, and samples. Inputs
-are built with numpy over whole arrays, not per token.
+model, computes logits only where a token is sampled, and samples: one token
+per chunk that reaches its request's end, or, for a speculating request, the
+drafts the rejection sampler accepts plus one (a draft model, when configured,
+proposes them first in the same step). Inputs are built with numpy over whole
+arrays, not per token.
 """
 from __future__ import annotations
 
