@@ -37,6 +37,9 @@ class AppArgs(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = Field(default=1, ge=1)
     debug_checks: bool = False
+    # vLLM's {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}, or its JSON text
+    # (as `serve run ... speculative_config='{...}'` passes it); checked when a replica builds its engine.
+    speculative_config: dict[str, Any] | str | None = None
 
     # ---- HTTP -------------------------------------------------------------------------------
     api_key: str | None = None  # require "Authorization: Bearer <key>" on /v1 routes
@@ -117,7 +120,8 @@ class AppArgs(BaseModel):
             block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization, seed=self.seed, device=self.device,
             enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
-            served_model_name=self.served_model_names[0], debug_checks=self.debug_checks)
+            served_model_name=self.served_model_names[0], debug_checks=self.debug_checks,
+            speculative_config=self.speculative_config)
 
 
 def parse_args(args: AppArgs | dict[str, Any] | None) -> AppArgs:
