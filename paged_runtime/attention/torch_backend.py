@@ -38,11 +38,42 @@ class DecodeGroup:
     slots: torch.Tensor  # [rows, max_context] gather index (padding points at a real slot, masked)
     mask: torch.Tensor | None  # [rows, 1, 1, max_context] bool, None when all lengths are equal
 
+    @property
+    def num_rows(self) -> int:
+        return self.slots.shape[0]
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return _decode_attention(q, kv_cache, self, scale)
+
+
+@dataclass(slots=True)
+class VerifyGroup:
+    """Speculating requests: each one's last token and drafts (``lens[i]`` query rows, consecutive)
+    attend to one gather of its context, causally, in one batched call."""
+    row_start: int
+    slots: torch.Tensor  # [requests, max_context] gather index (padding masked)
+    query_index: torch.Tensor  # [rows] flat row -> position in the [requests * max_queries] grid
+    max_queries: int
+    mask: torch.Tensor  # [requests, 1, max_queries, max_context] bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.query_index.shape[0]
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        requests, width = self.slots.shape
+        context = kv_cache.index_select(0, self.slots.reshape(-1)).view(requests, width, *kv_cache.shape[1:])
+        grid = q.new_zeros(requests * self.max_queries, *q.shape[1:]).index_copy_(0, self.query_index, q)
+        grid = grid.view(requests, self.max_queries, *q.shape[1:]).transpose(1, 2)  # [R, H, Q, D]
+        out = F.scaled_dot_product_attention(grid, context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2),
+                                             attn_mask=self.mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(requests * self.max_queries, *q.shape[1:]).index_select(0, self.query_index)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is stored
-    decodes: list[DecodeGroup]  # one-token queries, the first rows of the batch
+    decodes: list[DecodeGroup | VerifyGroup]  # one-token queries and verifications, the first rows
     prefills: list[PrefillChunk]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -69,8 +100,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
     out = torch.empty_like(q)
     for group in meta.decodes:
-        rows = slice(group.row_start, group.row_start + group.slots.shape[0])
-        out[rows] = _decode_attention(q[rows], kv_cache, group, scale)
+        rows = slice(group.row_start, group.row_start + group.num_rows)
+        out[rows] = group.attend(q[rows], kv_cache, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.context_slots is None:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from paged_runtime.attention import select_backend, triton_backend
-from paged_runtime.attention.torch_backend import AttentionMetadata, PrefillChunk, causal_mask, decode_group
+from paged_runtime.attention.torch_backend import (AttentionMetadata, PrefillChunk, VerifyGroup, causal_mask,
+                                                   decode_group)
 from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.sample.metadata import build_sampling_metadata
@@ -59,6 +60,11 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -
     return [TokenLogprobs(t, lp, r, i, v) for t, lp, r, i, v in zip(token_ids, chosen.tolist(), ranks, top_ids, top_lps)]
 
 
+def _layout_rank(s: ScheduledRequest) -> int:
+    """Where an item goes in the flat batch: 0 single-token decode, 1 verification, 2 prompt chunk."""
+    return 1 if s.num_spec else (0 if s.num_scheduled == 1 else 2)
+
+
 # Decodes are attended in groups of this many rows (sorted by length), so one
 # long context does not pad everyone else's gather to its length.
 DECODE_GROUP_SIZE = 32
@@ -88,9 +94,9 @@ class ModelRunner:
                 self.drafter.forget(request_id)
         if out.block_copies:
             self._copy_blocks(out.block_copies)
-        # Decodes first, shortest context first, so attention can batch neighbours of similar length.
-        order = sorted(range(len(out.scheduled)), key=lambda i: (
-            out.scheduled[i].num_scheduled > 1 and not out.scheduled[i].num_spec, out.scheduled[i].start))
+        # Decodes, then verifications, then prompt chunks; shortest context first within each, so
+        # attention can batch neighbours of similar length.
+        order = sorted(range(len(out.scheduled)), key=lambda i: (_layout_rank(out.scheduled[i]), out.scheduled[i].start))
         items = [out.scheduled[i] for i in order]
         spec_rows = {k: self._spec_row(s) for k, s in enumerate(items) if s.num_spec}
         if self.drafter is not None:
@@ -175,19 +181,24 @@ class ModelRunner:
 
     # ---- inputs ------------------------------------------------------------------
     def prepare_inputs(self, items: list[ScheduledRequest]):
-        """Flat token ids, positions and attention metadata; ``items`` hold single-token queries
-        and speculating requests first (by ascending start), then multi-token chunks."""
+        """Flat token ids, positions and attention metadata; ``items`` hold single-token queries first,
+        then speculating requests, then multi-token chunks, each part by ascending start."""
         if self.attention_backend == "triton":
             return self._varlen_inputs(items)
-        decodes = [s for s in items if s.num_scheduled == 1 or s.num_spec]
-        prefills = items[len(decodes):]
-        ids, pos, slots = [], [], []
-        groups = []
+        ranks = [_layout_rank(s) for s in items]
+        decodes, verifies = items[:ranks.count(0)], items[ranks.count(0):ranks.count(0) + ranks.count(1)]
+        prefills = items[len(decodes) + len(verifies):]
+        ids, pos, slots, groups = [], [], [], []
         if decodes:
             d_ids, d_pos, d_slots, groups = self._decode_inputs(decodes)
             ids.append(d_ids), pos.append(d_pos), slots.append(d_slots)
+        start = len(decodes)
+        for first in range(0, len(verifies), DECODE_GROUP_SIZE):
+            part = verifies[first:first + DECODE_GROUP_SIZE]
+            v_ids, v_pos, v_slots, group = self._verify_inputs(part, start)
+            ids.append(v_ids), pos.append(v_pos), slots.append(v_slots), groups.append(group)
+            start += len(v_ids)
         chunks = []
-        start = sum(s.num_scheduled for s in decodes)
         for s in prefills:
             p = np.arange(s.start, s.start + s.num_scheduled)
             table = np.asarray(s.block_ids)
@@ -198,6 +209,32 @@ class ModelRunner:
             start += s.num_scheduled
         to = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int64)).to(self.device)
         return to(ids), to(pos), AttentionMetadata(to(slots), groups, chunks)
+
+    def _verify_inputs(self, verifies: list[ScheduledRequest], row_start: int):
+        """Speculating requests' last token + drafts: one context gather per request, causal queries."""
+        counts = np.fromiter((s.num_scheduled for s in verifies), np.int64, len(verifies))
+        starts = np.fromiter((s.start for s in verifies), np.int64, len(verifies))
+        owner = np.repeat(np.arange(len(verifies)), counts)
+        offset = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
+        positions = starts[owner] + offset
+        tables = self._tables(verifies)
+        slots = tables[owner, positions // self.block_size] * self.block_size + positions % self.block_size
+        width, queries = int((starts + counts).max()), int(counts.max())
+        query_pos = starts[:, None] + np.arange(queries)[None, :]  # [R, Q]
+        mask = np.arange(width)[None, None, :] <= query_pos[:, :, None]
+        mask[np.arange(queries)[None, :] >= counts[:, None]] = np.arange(width) == 0  # padding: see one key
+        to = lambda a: torch.from_numpy(a).to(self.device)
+        group = VerifyGroup(row_start, to(self._slots(tables, np.arange(width))), to(owner * queries + offset),
+                            queries, to(mask[:, None]))
+        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in verifies), np.int64, len(owner))
+        return token_ids, positions, slots, group
+
+    @staticmethod
+    def _tables(items: list[ScheduledRequest]) -> np.ndarray:
+        tables = np.zeros((len(items), max(len(s.block_ids) for s in items)), dtype=np.int64)
+        for row, s in zip(tables, items):
+            row[:len(s.block_ids)] = s.block_ids
+        return tables
 
     def _varlen_inputs(self, items: list[ScheduledRequest]):
         """Triton backend: each item is one causal varlen query of its ``num_scheduled`` tokens from
@@ -211,28 +248,19 @@ class ModelRunner:
         return table[..., positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _decode_inputs(self, decodes: list[ScheduledRequest]):
-        """One query row per token: single-token decodes, and a speculating request's last token
-        and drafts (row j attends to its own prefix, so causality needs no mask of its own)."""
-        counts = np.fromiter((s.num_scheduled for s in decodes), np.int64, len(decodes))
-        owner = np.repeat(np.arange(len(decodes)), counts)
-        first_row = np.cumsum(counts) - counts
+        """Single-token queries, batched in groups of similar context length."""
         starts = np.fromiter((s.start for s in decodes), np.int64, len(decodes))
-        positions = starts[owner] + np.arange(len(owner)) - first_row[owner]
-        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in decodes), np.int64, len(owner))
-        max_blocks = max(len(s.block_ids) for s in decodes)
-        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-        for row, s in zip(tables, decodes):
-            row[:len(s.block_ids)] = s.block_ids
-        tables = tables[owner]
-        rows = np.arange(len(owner))
-        slots = tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        token_ids = np.fromiter((s.input_token_ids()[0] for s in decodes), np.int64, len(decodes))
+        tables = self._tables(decodes)
+        rows = np.arange(len(decodes))
+        slots = tables[rows, starts // self.block_size] * self.block_size + starts % self.block_size
         groups = []
-        for first in range(0, len(owner), DECODE_GROUP_SIZE):
-            lens = positions[first:first + DECODE_GROUP_SIZE] + 1  # near-sorted: the gather spans the longest
-            gather = self._slots(tables[first:first + DECODE_GROUP_SIZE], np.arange(int(lens.max())))
+        for first in range(0, len(decodes), DECODE_GROUP_SIZE):
+            lens = starts[first:first + DECODE_GROUP_SIZE] + 1  # sorted ascending: the last is the longest
+            gather = self._slots(tables[first:first + DECODE_GROUP_SIZE], np.arange(int(lens[-1])))
             groups.append(decode_group(first, torch.from_numpy(gather).to(self.device),
                                        torch.from_numpy(lens).to(self.device)))
-        return token_ids, positions, slots, groups
+        return token_ids, starts, slots, groups
 
     def _prefill_chunk(self, query_start: int, s: ScheduledRequest, table: np.ndarray) -> PrefillChunk:
         if s.start == 0:
