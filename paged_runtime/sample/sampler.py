@@ -204,18 +204,18 @@ class Sampler:
         values, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
         keep = torch.isfinite(values)
         fits = ~keep[:, -1] if width < vocab else torch.ones_like(keep[:, 0])
-        normaliser = logits.logsumexp(dim=-1, keepdim=True)
+        within = None
         if rows.top_k is not None:
             k = rows.top_k.clamp(min=1)
-            active = k < vocab
-            within = active & (k <= width)
+            within = (k < vocab) & (k <= width)
             kth = values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
             keep &= ~within.unsqueeze(1) | (values >= kth)
             fits |= within
-            # Top-p after top-k renormalises over the top-k set: known only when it lies within.
-            top_k_mass = values.masked_fill(~keep, float("-inf")).logsumexp(dim=-1, keepdim=True)
-            normaliser = torch.where(within.unsqueeze(1), top_k_mass, normaliser)
         if rows.top_p is not None:
+            normaliser = logits.logsumexp(dim=-1, keepdim=True)
+            if within is not None:  # top-p after top-k renormalises over the top-k set (known when within)
+                top_k_mass = values.masked_fill(~keep, float("-inf")).logsumexp(dim=-1, keepdim=True)
+                normaliser = torch.where(within.unsqueeze(1), top_k_mass, normaliser)
             probs = (values - normaliser).exp().masked_fill(~keep, 0)
             cumulative = probs.cumsum(dim=-1)
             active = rows.top_p < 1
@@ -238,9 +238,10 @@ class Sampler:
     def _noise(self, like: torch.Tensor, generators: list[torch.Generator | None],
                lengths: list[int] | None) -> torch.Tensor:
         """Exp(1) noise shaped like ``like``. A seeded row takes exactly one value from its own
-        generator per step and seeds a scratch generator with it for its first ``lengths[i]`` values
-        (all when None; the rest of its row is 1): how far its generator advances must not depend on
-        its support size, which can shift by a token at a numerically close boundary."""
+        generator per step (in the one rung it fits) and seeds a scratch generator with it for its
+        first ``lengths[i]`` values (all when None; the rest of its row is 1; 0 draws nothing): how
+        far its generator advances must not depend on its support size or on how many rungs it
+        tried, which can shift at a numerically close boundary."""
         noise = torch.ones_like(like) if lengths is not None else torch.empty_like(like)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(generators):
@@ -250,7 +251,7 @@ class Sampler:
             noise[at] = torch.empty(len(shared), like.shape[1], device=like.device).exponential_(
                 generator=self.generator)
         for i, g in enumerate(generators):
-            if g is not None:
+            if g is not None and (lengths is None or lengths[i]):  # a row that did not fit draws nothing
                 seed = int(torch.randint(2**62, (1,), generator=g, device=g.device))
                 self._scratch.manual_seed(seed)
                 noise[i, :like.shape[1] if lengths is None else lengths[i]].exponential_(generator=self._scratch)

@@ -172,9 +172,12 @@ def test_top_p_one_keeps_the_whole_top_k():
     assert set(tokens.tolist()) == set(range(7))
 
 
-def test_a_seeded_row_advances_its_generator_by_one_draw_whatever_its_support():
-    """Support sizes can shift by a token at a numerically close nucleus boundary (batch shape changes
-    reduction order); the request's later draws must not shift with them."""
+@pytest.mark.parametrize("widths", [(64, 1024), (2, 8, 64)], ids=["first-rung", "after-two-misses"])
+def test_a_seeded_row_advances_its_generator_by_one_draw_whatever_its_support(widths, monkeypatch):
+    """Support sizes, and so the rung a row fits, can shift at a numerically close nucleus boundary
+    (batch shape changes reduction order); the request's later draws must not shift with them."""
+    from paged_runtime.sample import sampler
+    monkeypatch.setattr(sampler, "_CANDIDATE_WIDTHS", widths)
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(3)) * 2
     after = []
     for top_k in (3, 40, 300):
