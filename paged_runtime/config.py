@@ -1,7 +1,7 @@
 """Engine configuration: vLLM's argument names, validated once at start-up."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -42,6 +42,13 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+    @classmethod
+    def from_attributes(cls, source: Any, **overrides: Any) -> EngineConfig:
+        """From any object whose attributes carry these names (parsed CLI flags, an adapter's args);
+        names it lacks keep their defaults, ``overrides`` win."""
+        values = {f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}
+        return cls(**(values | overrides))
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -114,14 +114,7 @@ class AppArgs(BaseModel):
     def engine_config(self):
         """The ``EngineConfig`` for one replica's engine (imports the runtime: call it on the replica)."""
         from paged_runtime.config import EngineConfig
-        return EngineConfig(
-            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-            gpu_memory_utilization=self.gpu_memory_utilization, seed=self.seed, device=self.device,
-            enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
-            served_model_name=self.served_model_names[0], debug_checks=self.debug_checks,
-            speculative_config=self.speculative_config)
+        return EngineConfig.from_attributes(self, served_model_name=self.served_model_names[0])
 
 
 def parse_args(args: AppArgs | dict[str, Any] | None) -> AppArgs:

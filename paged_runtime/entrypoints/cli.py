@@ -93,14 +93,7 @@ def engine_config(args: argparse.Namespace):
     from paged_runtime.config import EngineConfig
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size must be 1: this runtime runs one device per replica")
-    return EngineConfig(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
-        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-        speculative_config=args.speculative_config,
-        served_model_name=served_model_names(args)[0])
+    return EngineConfig.from_attributes(args, served_model_name=served_model_names(args)[0])
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
