@@ -159,3 +159,17 @@ def sse_events(text: str) -> list[str]:
         assert block.startswith("data: ") and "\n" not in block, repr(block)
         events.append(block[len("data: "):])
     return events
+
+
+def fail_on_step(engine, call: int, message: str) -> None:
+    """Makes the AsyncEngine's ``call``-th engine step raise RuntimeError(message): a device failure."""
+    real_step, calls = engine.engine.step, 0
+
+    def step():
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            raise RuntimeError(message)
+        return real_step()
+
+    engine.engine.step = step

@@ -12,6 +12,8 @@ from paged_runtime import SamplingParams
 from paged_runtime.config import EngineConfig
 from paged_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 
+from .conftest import fail_on_step
+
 PROMPT = "The quick brown fox jumps over"
 
 
@@ -129,17 +131,7 @@ def test_invalid_request_raises_before_queueing(engine):
 
 def test_failing_step_fails_requests_and_marks_unhealthy(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
-    real_step = engine.engine.step
-    calls = 0
-
-    def flaky_step():
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("device fell over")
-        return real_step()
-
-    engine.engine.step = flaky_step
+    fail_on_step(engine, 3, "device fell over")
 
     async def run():
         streams = [engine.add_request(f"r{i}", PROMPT, greedy(100)) for i in range(3)]

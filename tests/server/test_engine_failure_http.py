@@ -6,22 +6,12 @@ import json
 
 import httpx
 
-from .conftest import running_server, sse_events
+from .conftest import fail_on_step, running_server, sse_events
 
 
 def test_failing_step_over_http(tiny_llama_dir):
     with running_server(tiny_llama_dir, "doomed", max_model_len=256, kv_cache_memory=8 * 2**20) as server:
-        engine = server.engine
-        real_step, calls = engine.engine.step, 0
-
-        def failing_step():
-            nonlocal calls
-            calls += 1
-            if calls == 5:
-                raise RuntimeError("simulated device failure")
-            return real_step()
-
-        engine.engine.step = failing_step
+        fail_on_step(server.engine, 5, "simulated device failure")
         body = {"prompt": "The quick brown fox", "max_tokens": 100, "ignore_eos": True}
 
         async def run():
