@@ -25,6 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     served_model_name: str | None = None
+    # Plain PyTorch everywhere: no CUDA graphs on the GPU, no compiled kernels on the CPU.
+    enforce_eager: bool = False
     debug_checks: bool = False  # check block-accounting invariants after every step
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} as in vLLM, or its JSON.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None

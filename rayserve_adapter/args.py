@@ -36,6 +36,7 @@ class AppArgs(BaseModel):
     seed: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = Field(default=1, ge=1)
+    enforce_eager: bool = False  # plain PyTorch: no CUDA graphs, no compiled CPU decode kernels
     debug_checks: bool = False
     # vLLM's {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}, or its JSON text
     # (as `serve run ... speculative_config='{...}'` passes it); checked when a replica builds its engine.

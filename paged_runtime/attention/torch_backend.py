@@ -9,7 +9,8 @@ p % block_size``.
 A step's flat batch puts single-token queries (decodes) first, sorted by
 context length, and prompt chunks after. Decodes run in groups of similar
 length as batched, masked attention over gathered context (grouping keeps
-the padding small when lengths have long tails); each prompt chunk runs on
+the padding small when lengths have long tails), or, where the model runs the
+compiled CPU kernels, all together in one kernel call over the block tables; each prompt chunk runs on
 its own with a causal mask aligned to the end of its context (earlier chunks
 and cache hits come first). Gather indices and masks are built once per
 step, not once per layer.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from paged_runtime.kernels import cpu as cpu_kernels
 
 
 @dataclass(slots=True)
@@ -44,6 +47,24 @@ class DecodeGroup:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         return _decode_attention(q, kv_cache, self, scale)
+
+
+@dataclass(slots=True)
+class KernelDecodeGroup:
+    """Single-token queries attended by the CPU kernel straight from the paged cache: no gather, no
+    padding, so one group holds every decode of the step (``kernels/cpu.py``)."""
+    row_start: int
+    block_tables: torch.Tensor  # [rows, max_blocks] int64
+    context_lens: torch.Tensor  # [rows] int64, counting the new token
+    block_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.context_lens.shape[0]
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return cpu_kernels.paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens,
+                                                  self.block_size, scale)
 
 
 @dataclass(slots=True)
@@ -73,12 +94,18 @@ class VerifyGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is stored
-    decodes: list[DecodeGroup | VerifyGroup]  # one-token queries and verifications, the first rows
+    decodes: list[DecodeGroup | KernelDecodeGroup | VerifyGroup]  # one-token queries and verifications, the first rows
     prefills: list[PrefillChunk]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, self, scale)
+
+    def kernel_decodes_only(self) -> KernelDecodeGroup | None:
+        """The step's one group when it holds nothing but decodes for the CPU kernel, else None."""
+        if self.prefills or len(self.decodes) != 1 or not isinstance(self.decodes[0], KernelDecodeGroup):
+            return None
+        return self.decodes[0]
 
 
 def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor) -> DecodeGroup:

@@ -14,6 +14,7 @@ from paged_runtime.config import EngineConfig, resolve_dtype
 from paged_runtime.core.kv_cache_manager import KVCacheManager
 from paged_runtime.core.scheduler import Scheduler, SchedulerOutput
 from paged_runtime.models.loader import load_model, resolve_model_path
+from paged_runtime.models.ops import select_ops
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.speculator import Speculator
@@ -68,7 +69,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        model = load_model(model_path, self.max_model_len, self.dtype, self.device)
+        self.ops = select_ops(self.device, self.dtype, config.enforce_eager)
+        model = load_model(model_path, self.max_model_len, self.dtype, self.device, self.ops)
         spec = config.speculative_config
         draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None
         budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
@@ -83,8 +85,9 @@ class EngineCore:
                                   drafter)
         self.last_stats: StepStats | None = None
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
-        logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
-                    model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
+        logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
+                    model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
+                    "CPU kernels" if self.ops.native else "PyTorch ops")
 
     def _load_draft(self, spec: SpeculativeConfig, target: ModelConfig):
         path = resolve_model_path(spec.model)
@@ -92,7 +95,7 @@ class EngineCore:
         if draft_config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the "
                              f"target's ({target.vocab_size}); speculative decoding needs the same tokenizer")
-        return load_model(path, self.max_model_len, self.dtype, self.device)
+        return load_model(path, self.max_model_len, self.dtype, self.device, self.ops)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

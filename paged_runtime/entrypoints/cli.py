@@ -83,6 +83,8 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="only 1: scale out with replicas (KServe / Ray Serve)")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="plain PyTorch: no CUDA graphs on a GPU, no compiled decode kernels on the CPU")
     engine.add_argument("--speculative-config", default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')

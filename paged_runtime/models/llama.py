@@ -3,7 +3,8 @@
 Numerics follow Hugging Face's implementation step for step (RMSNorm in fp32,
 rotate-half RoPE, residual order) so greedy outputs match it token for token.
 q/k/v and gate/up are fused into single matmuls; logits are computed only for
-the rows that are sampled.
+the rows that are sampled. The arithmetic itself is ``ops`` (models/ops.py): plain
+PyTorch, or the compiled CPU kernels with the same rounding points.
 """
 from __future__ import annotations
 
@@ -14,17 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_runtime.attention import AttentionMetadata
+from paged_runtime.kernels import cpu as cpu_kernels
 from paged_runtime.models.config import ModelConfig
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that one bfloat16 row on the CPU takes a matrix-vector product: for a
-    single row oneDNN's bf16 GEMM streams the weights at ~9 GB/s here, ``mv`` at ~14 (measured on
-    the development machine's 2-core Xeon; a batch-1 decode step is mostly this)."""
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        out = torch.mv(weight, x[0]).unsqueeze(0)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+from paged_runtime.models.ops import TorchOps
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -33,15 +26,16 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class RMSNorm(nn.Module):
+    """The norm's weight and epsilon; the op itself is ``ops.rms_norm`` (fused with the residual add)."""
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _param(size, dtype=dtype, device=device)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: TorchOps,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -80,23 +74,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device, ops: TorchOps) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.ops, self.head_dim = ops, c.head_dim
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = (_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
@@ -104,39 +86,49 @@ class Attention(nn.Module):
         self.o_weight = _param(c.hidden_size, self.q_size, dtype=dtype, device=device)
         self.scale = c.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = self.ops.rope(qkv, (self.q_size, self.kv_size, self.kv_size), self.head_dim, rope)
         out = meta.attend(q, k, v, kv_cache, self.scale)  # the backend the runner built meta for
-        return linear(out.reshape(-1, self.q_size), self.o_weight)
+        return self.ops.linear(out.reshape(-1, self.q_size), self.o_weight)
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
         self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.gate_up_weight)), self.down_weight)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(c, dtype, device)
+        self.self_attn = Attention(c, dtype, device, ops)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = MLP(c, dtype, device)
+        self.mlp = MLP(c, dtype, device, ops)
+        self._kernel_weights = None
 
-    def forward(self, h: torch.Tensor, rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def kernel_weights(self) -> cpu_kernels.LayerWeights:
+        """This layer's weights for the fused CPU decode kernel (built once: the weights never move)."""
+        if self._kernel_weights is None:
+            a, m = self.self_attn, self.mlp
+            self._kernel_weights = cpu_kernels.LayerWeights.of(
+                self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_weight,
+                self.post_attention_layernorm.weight, m.gate_up_weight, m.down_weight, self.input_layernorm.eps)
+        return self._kernel_weights
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to ``residual`` (None before the first layer)."""
+        x, residual = self.input_layernorm(x, self.ops, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta), self.ops, residual)
+        return self.mlp(x), residual
 
 
 # HF checkpoint name -> (our parameter suffix, shard index within a fused matrix or None)
@@ -151,11 +143,12 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
+                 ops: TorchOps | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.ops = config, ops or TorchOps()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, self.ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
@@ -164,14 +157,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of tokens in, final hidden states out ([num_tokens, hidden])."""
-        h = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rotary(positions, h.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, rope, kv_cache, meta)
-        return self.norm(h)
+        x = F.embedding(input_ids, self.embed_tokens)
+        fused = self.ops.decode_layers(self, x, positions, kv_caches, meta)
+        if fused is not None:
+            x, residual = fused
+        else:
+            rope, residual = self.ops.rope_inputs(self.rotary.cos, self.rotary.sin, positions, x.dtype), None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, self.ops, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------
     def shard_sizes(self, fused_name: str) -> list[int]:

@@ -14,6 +14,8 @@ from safetensors import SafetensorError, safe_open
 
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.llama import MODEL_CLASSES, LlamaForCausalLM
+from paged_runtime.models.ops import TorchOps
+from paged_runtime.utils.cpu import move_to_huge_pages
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -40,12 +42,16 @@ def _converted_gguf(path: Path) -> Path:
     return out if (out / "config.json").exists() else convert_gguf(path, out)
 
 
-def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.device,
+               ops: TorchOps | None = None) -> LlamaForCausalLM:
+    """The model in ``folder`` with its weights; ``ops`` picks its arithmetic (default: plain PyTorch)."""
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights")
-    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device)
+    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops)
+    if device.type == "cpu":
+        move_to_huge_pages(model)
     loaded = set()
     for file in files:
         try:

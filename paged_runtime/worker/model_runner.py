@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from paged_runtime.attention import select_backend, triton_backend
-from paged_runtime.attention.torch_backend import (AttentionMetadata, PrefillChunk, VerifyGroup, causal_mask,
-                                                   decode_group)
+from paged_runtime.attention.torch_backend import (AttentionMetadata, KernelDecodeGroup, PrefillChunk,
+                                                   VerifyGroup, causal_mask, decode_group)
 from paged_runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.sample.metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, SamplerOutput
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow
-from paged_runtime.utils.cpu import keep_freed_memory_mapped
+from paged_runtime.utils.cpu import huge_page_zeros, keep_freed_memory_mapped
 
 
 @dataclass(slots=True)
@@ -80,7 +80,9 @@ class ModelRunner:
             keep_freed_memory_mapped()
         shape = (num_blocks * block_size, 2, c.num_kv_heads, c.head_dim)
         # Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+        zeros = (lambda: huge_page_zeros(shape, dtype)) if device.type == "cpu" else (
+            lambda: torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [zeros() for _ in range(c.num_layers)]
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.drafter = drafter
@@ -254,6 +256,9 @@ class ModelRunner:
         tables = self._tables(decodes)
         rows = np.arange(len(decodes))
         slots = tables[rows, starts // self.block_size] * self.block_size + starts % self.block_size
+        if self.model.ops.native:
+            to = lambda a: torch.from_numpy(a).to(self.device)
+            return token_ids, starts, slots, [KernelDecodeGroup(0, to(tables), to(starts + 1), self.block_size)]
         groups = []
         for first in range(0, len(decodes), DECODE_GROUP_SIZE):
             lens = starts[first:first + DECODE_GROUP_SIZE] + 1  # sorted ascending: the last is the longest

@@ -10,14 +10,14 @@ import time
 import httpx
 import pytest
 
-from paged_runtime.entrypoints.cli import build_parser, parse_bytes
+from paged_runtime.entrypoints.cli import build_parser, engine_config, parse_bytes
 
 from .conftest import free_socket
 
 VLLM_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--dtype", "--max-model-len", "--max-num-seqs",
               "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--gpu-memory-utilization",
               "--enable-prefix-caching", "--no-enable-prefix-caching", "--seed", "--max-waiting-requests",
-              "--scheduling-policy", "--tensor-parallel-size", "--speculative-config"]
+              "--scheduling-policy", "--tensor-parallel-size", "--speculative-config", "--enforce-eager"]
 
 
 def test_serve_flags_and_defaults():
@@ -28,6 +28,8 @@ def test_serve_flags_and_defaults():
     assert (args.model, args.host, args.port, args.enable_prefix_caching) == (None, "127.0.0.1", 8000, True)
     args = build_parser().parse_args(["serve", "/m", "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB"])
     assert (args.model, args.enable_prefix_caching, args.kv_cache_memory) == ("/m", False, 2 * 2**30)
+    assert engine_config(build_parser().parse_args(["serve", "--enforce-eager"])).enforce_eager
+    assert not engine_config(args).enforce_eager
 
 
 def test_speculative_config_flag_reaches_the_engine_config():

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_runtime.models.llama import linear
+from paged_runtime.models.ops import TorchOps
+
+linear = TorchOps.linear
 
 
 def test_single_bfloat16_row_matches_the_float32_product_within_bfloat16_rounding():

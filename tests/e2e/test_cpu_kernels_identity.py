@@ -1,0 +1,55 @@
+"""The compiled CPU kernels give the same greedy tokens as the plain PyTorch path (float32), with every
+engine feature on: chunked prefill mixed with decodes, prefix-cache hits, preemption, n-gram speculation,
+decode batches both within the fused kernel's row limit and beyond it."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import assert_idle, make_llm
+from paged_runtime import SamplingParams
+from paged_runtime.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernels are off")
+
+TINY_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads, head dim 16, fp32, 16 tokens
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(5)
+    system = [rng.randrange(3, 49152) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 9, 30, 77, 150, 3)]
+    prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (2, 64, 200, 17, 120, 33, 5, 260)]
+    prompts += [[11, 12, 13, 14] * 10]  # repetitive: n-gram drafts
+    params = [SamplingParams(max_tokens=12 + 5 * (i % 6), temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    return prompts, params
+
+
+def generate(llm, prompts, params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 16], ids=["fused-layer", "per-op"])
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram"])
+def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, speculative_config):
+    fused_calls = []
+    decode_layer = cpu.decode_layer
+    monkeypatch.setattr(cpu, "decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    prompts, params = workload()
+    # 24 blocks of 16 tokens: too few for every request at once (preemption), a 64-token step budget
+    # (chunked prefill beside decodes).
+    common = dict(max_model_len=384, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
+                  kv_cache_memory=24 * TINY_BYTES_PER_BLOCK, speculative_config=speculative_config)
+    eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
+    kernels = make_llm(tiny_llama_dir, **common)
+    assert kernels.engine.core.ops.native and not eager.engine.core.ops.native
+    expected = generate(eager, prompts, params)
+    eager_fused_calls = len(fused_calls)
+    assert generate(kernels, prompts, params) == expected
+    assert eager_fused_calls == 0 and len(fused_calls) > 0  # the fused layer ran, only on the kernel path
+    assert kernels.engine.core.scheduler.num_preemptions > 0
+    assert kernels.engine.core.kv_cache.num_hit_tokens > 0
+    assert_idle(kernels)

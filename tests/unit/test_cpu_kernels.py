@@ -1,0 +1,177 @@
+"""The compiled CPU kernels against the PyTorch path they replace (float32 and bfloat16).
+
+float32 results agree to float32 summation order; bfloat16 results round at the
+same points as PyTorch, so element-wise kernels match it bit for bit and sums
+differ by at most a rounding step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged_runtime.kernels import cpu
+from paged_runtime.models.ops import TorchOps
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernels are off")
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Within float32 rounding; in bfloat16, two steps of each value plus one step at the tensor's largest
+    magnitude (a sum like the residual's rounds at the scale of its terms, not of its result)."""
+    if dtype == torch.float32:
+        return torch.allclose(out.float(), ref.float(), rtol=1e-5, atol=1e-5)
+    return torch.allclose(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -7 * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_linear_matches_the_float32_product(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 77, generator=g).to(dtype)  # K not a multiple of 16: the masked tail
+    w = torch.randn(301, 77, generator=g).to(dtype)  # N odd: uneven thread shares
+    out = cpu.linear(x, w)
+    assert out.shape == (rows, 301) and out.dtype == dtype
+    assert close(out, F.linear(x.float(), w.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, residual, weight = (torch.randn(*s, generator=g).to(dtype) for s in ((3, 96), (3, 96), (96,)))
+    out = cpu.rms_norm(x, weight, 1e-6)
+    assert close(out, TorchOps.rms_norm(x, weight, 1e-6)[0], dtype)
+    ref_out, ref_residual = TorchOps.rms_norm(x, weight, 1e-6, residual)
+    updated = residual.clone()
+    out = cpu.rms_norm(x, weight, 1e-6, updated)
+    assert torch.equal(updated, ref_residual)  # the add is one rounding, as in PyTorch
+    assert close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_q_and_k_in_place_exactly_as_pytorch(dtype):
+    heads, kv_heads, dim, rows = 4, 2, 32, 5
+    sizes = (heads * dim, kv_heads * dim, kv_heads * dim)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(rows, sum(sizes), generator=g).to(dtype)
+    positions = torch.tensor([0, 1, 17, 300, 999])
+    freqs = torch.outer(torch.arange(1024, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    ref = TorchOps.rope(qkv.clone(), sizes, dim, TorchOps.rope_inputs(cos, sin, positions, dtype))
+    rotated = qkv.clone()
+    cpu.rope_(rotated, heads + kv_heads, dim, positions, cos, sin)
+    q, k, v = (t.view(rows, -1, dim) for t in rotated.split(sizes, dim=-1))
+    assert torch.equal(q, ref[0]) and torch.equal(k, ref[1]) and torch.equal(v, ref[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = (torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(3)) * 6).to(dtype)
+    out = cpu.silu_mul(gate_up)
+    ref = TorchOps.silu_mul(gate_up)
+    assert close(out, ref, dtype)
+    if dtype == torch.bfloat16:  # the vector exp may move a value by one bfloat16 step, rarely
+        assert (out != ref).float().mean() < 0.02
+
+
+def gathered_attention(q, kv_cache, tables, lens, block_size, scale):
+    """Reference: gather each row's context and run SDPA in float32."""
+    rows = []
+    for b, length in enumerate(lens.tolist()):
+        t = torch.arange(length)
+        context = kv_cache[tables[b, t // block_size] * block_size + t % block_size].float()
+        out = F.scaled_dot_product_attention(q[b].float()[:, None], context[:, 0].transpose(0, 1),
+                                             context[:, 1].transpose(0, 1), scale=scale, enable_gqa=True)
+        rows.append(out[:, 0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 48), (6, 2, 40)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_attention(dtype, heads, kv_heads, dim, block_size):
+    """GQA ratios 1/3/4/8; head dims on the vector path (64, 128, 48) and off it (40); ragged lengths
+    that start, end and cross blocks, over shuffled block tables."""
+    g = torch.Generator().manual_seed(heads * dim + block_size)
+    num_blocks, lens = 48, torch.tensor([1, block_size, block_size + 1, 37, 300])
+    kv_cache = torch.randn(num_blocks * block_size, 2, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    out = cpu.paged_decode_attention(q, kv_cache, tables, lens, block_size, dim ** -0.5)
+    ref = gathered_attention(q, kv_cache, tables, lens, block_size, dim ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out.float() - ref).abs().max() <= tolerance
+
+
+def test_attention_reads_strided_query_rows():
+    """q as the model passes it: a view into fused qkv rows."""
+    heads, kv_heads, dim, block_size = 4, 2, 64, 16
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].view(3, heads, dim)
+    kv_cache = torch.randn(64, 2, kv_heads, dim)
+    tables, lens = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([5, 20, 32])
+    out = cpu.paged_decode_attention(q, kv_cache, tables, lens, block_size, 0.125)
+    assert torch.allclose(out, gathered_attention(q, kv_cache, tables, lens, block_size, 0.125), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
+    """One ``decode_layer`` call = DecoderLayer.forward on TorchOps: output, residual and the K/V it stores."""
+    from paged_runtime.attention.torch_backend import AttentionMetadata, decode_group
+    from paged_runtime.models.config import ModelConfig
+    from paged_runtime.models.llama import DecoderLayer, RotaryEmbedding
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 96, "intermediate_size": 160,
+        "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "attention_bias": True})
+    layer = DecoderLayer(config, dtype, torch.device("cpu"), TorchOps())
+    g = torch.Generator().manual_seed(rows)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    rope = RotaryEmbedding(config, 512, torch.device("cpu"))
+    block_size, lens = 16, torch.tensor([1, 40, 200, 17, 16, 33, 90, 5][:rows])
+    tables = torch.randperm(128, generator=g).view(8, 16)[:rows]  # each row owns its blocks
+    positions = lens - 1
+    slots = tables[torch.arange(rows), positions // block_size] * block_size + positions % block_size
+    kv_cache = torch.randn(128 * block_size, 2, 2, 16, generator=g).to(dtype)
+    x, residual = (torch.randn(rows, 96, generator=g).to(dtype) for _ in range(2))
+    t = torch.arange(int(lens.max()))
+    gather = tables[:, t // block_size] * block_size + t % block_size  # the PyTorch path's gathered context
+    meta = AttentionMetadata(slots, [decode_group(0, gather, lens)], [])
+    ref_cache = kv_cache.clone()
+    rope_in = TorchOps.rope_inputs(rope.cos, rope.sin, positions, dtype)
+    ref_x, ref_residual = layer(x, residual.clone(), rope_in, ref_cache, meta)
+
+    step = cpu.DecodeStep(positions, slots, tables, lens, block_size, rope.cos, rope.sin, 6, 2, 16, 16 ** -0.5)
+    cpu.decode_layer(layer.kernel_weights(), step, kv_cache, x, residual)
+    assert close(kv_cache, ref_cache, dtype)
+    assert close(residual, ref_residual, dtype)
+    if dtype == torch.float32:
+        assert close(x, ref_x, dtype)
+    else:  # a whole layer of bfloat16 roundings, taken in a different summation order: a few steps apart
+        assert (x.float() - ref_x.float()).abs().max() <= 2 ** -5 * ref_x.float().abs().max()
+
+
+def test_library_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu.library.cache_clear()
+    try:
+        assert cpu.library() is not None
+        built = list((tmp_path / "paged_runtime").glob("cpu_ops-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu.library.cache_clear()
+        assert cpu.library() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+        cpu.library.cache_clear()
+        monkeypatch.setenv(cpu.DISABLE_ENV, "0")
+        assert cpu.library() is None
+        cpu.library.cache_clear()
+        monkeypatch.delenv(cpu.DISABLE_ENV)
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
+        assert cpu.library() is None  # a failed build falls back to the PyTorch path
+    finally:
+        cpu.library.cache_clear()
