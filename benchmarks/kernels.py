@@ -16,7 +16,8 @@ What it measures (one CUDA device, named in every figure)
     (c) End to end, per model (random-weight Llama 3.2 1B and Llama 3.1 8B shapes, built
         once on the GPU and saved under --model-cache; no downloads), bfloat16:
         - batch-1 decode: ms per step after a 128-token prompt, against the floor
-          weight bytes / copy bandwidth;
+          weight bytes / copy bandwidth, with CUDA graphs (the default) and without
+          (``enforce_eager``);
         - a mixed workload (benchmarks/workload.py: ShareGPT-like lognormal prompt and
           output lengths, greedy, ignore_eos): the runtime with every request submitted
           at once, and transformers ``generate`` with static batches of
@@ -200,15 +201,12 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def run_runtime(folder: Path, work, max_model_len: int) -> dict:
-    from paged_runtime import LLM, SamplingParams
-
-    llm = LLM(model=str(folder), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256, seed=0)
+def batch1_step_ms(llm) -> float:
+    """Median step time of one greedy request decoding 128 tokens after a 128-token prompt."""
+    from paged_runtime import SamplingParams
     engine = llm.engine
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [FIRST_ORDINARY_ID] * 32}] * 4, greedy(8), use_tqdm=False)  # compile, warm
-
-    # Batch-1 decode: time every step after the prompt's.
     engine.add_request("b1", {"prompt_token_ids": list(range(FIRST_ORDINARY_ID, FIRST_ORDINARY_ID + 128))},
                        greedy(129))
     engine.step()
@@ -217,8 +215,21 @@ def run_runtime(folder: Path, work, max_model_len: int) -> dict:
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
-    batch1_ms = 1e3 * float(np.median(steps))
+    return 1e3 * float(np.median(steps))
 
+
+def run_runtime(folder: Path, work, max_model_len: int) -> dict:
+    from paged_runtime import LLM, SamplingParams
+
+    common = dict(model=str(folder), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256, seed=0)
+    eager = LLM(enforce_eager=True, **common)  # the same step without CUDA graphs
+    eager_ms = batch1_step_ms(eager)
+    del eager
+    _free_gpu()
+    llm = LLM(**common)
+    engine = llm.engine
+    batch1_ms = batch1_step_ms(llm)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for i, r in enumerate(work):
         engine.add_request(f"mixed-{i}", {"prompt_token_ids": r.prompt}, greedy(r.output_len))
@@ -229,8 +240,8 @@ def run_runtime(folder: Path, work, max_model_len: int) -> dict:
     backend = engine.core.runner.attention_backend
     del llm, engine
     _free_gpu()
-    return {"attention_backend": backend, "batch1_step_ms": batch1_ms, "requests": len(work),
-            "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    return {"attention_backend": backend, "batch1_step_ms": batch1_ms, "batch1_step_ms_eager": eager_ms,
+            "requests": len(work), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
 def run_transformers(folder: Path, work, batch_size: int, num_batches: int) -> dict:
@@ -301,12 +312,13 @@ def print_attention(rows: list[dict], copy_bw: float) -> None:
 
 def print_e2e(results: dict) -> None:
     print("\nend to end (random weights, bf16)")
-    header = (f"{'model':<6}{'b1 step ms':>11}{'floor ms':>10}{'ratio':>7}{'runtime tok/s':>15}{'HF tok/s':>10}"
-              f"{'x HF':>7}")
+    header = (f"{'model':<6}{'b1 step ms':>11}{'eager ms':>9}{'floor ms':>10}{'ratio':>7}{'runtime tok/s':>15}"
+              f"{'HF tok/s':>10}{'x HF':>7}")
     print(header)
     print("-" * len(header))
     for key, r in results.items():
-        print(f"{key:<6}{r['runtime']['batch1_step_ms']:>11.2f}{r['floor_step_ms']:>10.2f}"
+        print(f"{key:<6}{r['runtime']['batch1_step_ms']:>11.2f}{r['runtime']['batch1_step_ms_eager']:>9.2f}"
+              f"{r['floor_step_ms']:>10.2f}"
               f"{r['batch1_step_vs_floor']:>7.2f}{r['runtime']['tok_s']:>15.0f}{r['transformers']['tok_s']:>10.0f}"
               f"{r['vs_transformers']:>7.1f}")
 

@@ -81,8 +81,10 @@ class EngineCore:
                                    config.scheduling_policy, Speculator(spec) if spec else None)
         drafter = (DraftModelProposer(draft, self.num_blocks * config.block_size, self.dtype, self.device)
                    if draft else None)
+        graphs = None if config.enforce_eager or self.device.type != "cuda" else (config.max_num_seqs,
+                                                                                 self.max_model_len)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
-                                  drafter)
+                                  drafter, graphs)
         self.last_stats: StepStats | None = None
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",

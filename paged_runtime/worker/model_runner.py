@@ -26,6 +26,7 @@ from paged_runtime.sample.sampler import Sampler, SamplerOutput
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow
 from paged_runtime.utils.cpu import huge_page_zeros, keep_freed_memory_mapped
+from paged_runtime.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass(slots=True)
@@ -72,7 +73,10 @@ DECODE_GROUP_SIZE = 32
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int, drafter: DraftModelProposer | None = None) -> None:
+                 dtype: torch.dtype, seed: int, drafter: DraftModelProposer | None = None,
+                 graphs: tuple[int, int] | None = None) -> None:
+        """``graphs``: (max_num_seqs, max_model_len) to capture CUDA graphs for decode steps (Triton backend
+        on CUDA only; see ``cuda_graphs``); None runs every step eagerly."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.attention_backend = select_backend(device)
@@ -87,6 +91,10 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.drafter = drafter
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs = None
+        if graphs is not None and self.attention_backend == "triton":
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, *graphs, device)
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -106,7 +114,9 @@ class ModelRunner:
             for k, row in spec_rows.items():
                 items[k].spec_token_ids = row.drafts
         input_ids, positions, meta = self.prepare_inputs(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         ends = np.cumsum([s.num_scheduled for s in items])
         result = RunnerOutput([[] for _ in items], [None] * len(items), [None] * len(items))
         sampling = [k for k, s in enumerate(items) if s.samples and not s.num_spec]
