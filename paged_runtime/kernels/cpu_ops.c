@@ -24,7 +24,7 @@
 
 enum { F32 = 0, BF16 = 1 };
 #ifndef MAX_ROWS
-#define MAX_ROWS 8 /* linear(): rows of x per weight pass */
+#define MAX_ROWS 16 /* linear() and decode_layer(): rows of x per weight pass */
 #endif
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the weight stream */
@@ -125,7 +125,7 @@ static inline void store16(void *p, int64_t i, __m512 rounded, int dt) {
 /* One weight row against M fp32 rows of x; inlined per constant M so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dot_rows(const void *w, int64_t row, int64_t K, int dt,
                                                            const float *x, int M, float *sums) {
-    __m512 acc[MAX_ROWS];
+    __m512 acc[8];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const char *bytes = (const char *)w + row * K * (dt == BF16 ? 2 : 4);
     int64_t k = 0;
@@ -158,16 +158,20 @@ static void linear_rows(const void *w, const void *bias, int64_t begin, int64_t 
     float sums[MAX_ROWS];
     if (M < 1 || M > MAX_ROWS) return;
     for (int64_t n = begin; n < end; n++) {
-        switch (M) { /* constant M per case: see dot_rows */
-        case 1: dot_rows(w, n, K, dt, x, 1, sums); break;
-        case 2: dot_rows(w, n, K, dt, x, 2, sums); break;
-        case 3: dot_rows(w, n, K, dt, x, 3, sums); break;
-        case 4: dot_rows(w, n, K, dt, x, 4, sums); break;
-        case 5: dot_rows(w, n, K, dt, x, 5, sums); break;
-        case 6: dot_rows(w, n, K, dt, x, 6, sums); break;
-        case 7: dot_rows(w, n, K, dt, x, 7, sums); break;
-        case 8: dot_rows(w, n, K, dt, x, 8, sums); break;
-        default: dot_rows(w, n, K, dt, x, M, sums); break;
+        /* Rows of x in blocks of up to 8 (registers); a weight row re-read for the next block comes from L1. */
+        for (int m0 = 0; m0 < M; m0 += 8) {
+            const float *xb = x + (int64_t)m0 * K;
+            float *sb = sums + m0;
+            switch (M - m0 < 8 ? M - m0 : 8) { /* constant row count per case: see dot_rows */
+            case 1: dot_rows(w, n, K, dt, xb, 1, sb); break;
+            case 2: dot_rows(w, n, K, dt, xb, 2, sb); break;
+            case 3: dot_rows(w, n, K, dt, xb, 3, sb); break;
+            case 4: dot_rows(w, n, K, dt, xb, 4, sb); break;
+            case 5: dot_rows(w, n, K, dt, xb, 5, sb); break;
+            case 6: dot_rows(w, n, K, dt, xb, 6, sb); break;
+            case 7: dot_rows(w, n, K, dt, xb, 7, sb); break;
+            default: dot_rows(w, n, K, dt, xb, 8, sb); break;
+            }
         }
         float b = bias ? load(bias, n, dt) : 0.f;
         for (int m = 0; m < M; m++) store(out, m * N + n, bias ? rnd(sums[m], dt) + b : sums[m], dt);

@@ -22,6 +22,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     prompts = [system + [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 9, 30, 77, 150, 3)]
     prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (2, 64, 200, 17, 120, 33, 5, 260)]
     prompts += [[11, 12, 13, 14] * 10]  # repetitive: n-gram drafts
+    prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (4, 8, 2, 6, 9, 3, 5, 7)]  # > 16 at once
     params = [SamplingParams(max_tokens=12 + 5 * (i % 6), temperature=0, ignore_eos=True) for i in range(len(prompts))]
     return prompts, params
 
@@ -31,18 +32,20 @@ def generate(llm, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("max_num_seqs", [4, 16], ids=["fused-layer", "per-op"])
+@pytest.mark.parametrize("max_num_seqs, num_blocks", [(4, 24), (32, 96)], ids=["fused-layer", "per-op"])
 @pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
                          ids=["plain", "ngram"])
-def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, speculative_config):
-    fused_calls = []
-    decode_layer = cpu.decode_layer
+def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, num_blocks, speculative_config):
+    fused_calls, attention_calls = [], []
+    decode_layer, attention = cpu.decode_layer, cpu.paged_decode_attention
     monkeypatch.setattr(cpu, "decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    monkeypatch.setattr(cpu, "paged_decode_attention",
+                        lambda q, *a: attention_calls.append(q.shape[0]) or attention(q, *a))
     prompts, params = workload()
-    # 24 blocks of 16 tokens: too few for every request at once (preemption), a 64-token step budget
-    # (chunked prefill beside decodes).
+    # 24 blocks of 16 tokens: too few for every request at once (preemption); 96 let more than
+    # MAX_ROWS decode at once (the per-operation path); a 64-token step budget (chunked prefill beside decodes).
     common = dict(max_model_len=384, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
-                  kv_cache_memory=24 * TINY_BYTES_PER_BLOCK, speculative_config=speculative_config)
+                  kv_cache_memory=num_blocks * TINY_BYTES_PER_BLOCK, speculative_config=speculative_config)
     eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
     kernels = make_llm(tiny_llama_dir, **common)
     assert kernels.engine.core.ops.native and not eager.engine.core.ops.native
@@ -50,6 +53,9 @@ def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seq
     eager_fused_calls = len(fused_calls)
     assert generate(kernels, prompts, params) == expected
     assert eager_fused_calls == 0 and len(fused_calls) > 0  # the fused layer ran, only on the kernel path
-    assert kernels.engine.core.scheduler.num_preemptions > 0
+    if max_num_seqs > cpu.MAX_ROWS:
+        assert max(attention_calls) > cpu.MAX_ROWS  # decodes too many for the fused layer ran op by op
+    else:
+        assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0
     assert_idle(kernels)

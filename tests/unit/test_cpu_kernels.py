@@ -27,7 +27,7 @@ def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16])
 def test_linear_matches_the_float32_product(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 77, generator=g).to(dtype)  # K not a multiple of 16: the masked tail
@@ -117,7 +117,7 @@ def test_attention_reads_strided_query_rows():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
     """One ``decode_layer`` call = DecoderLayer.forward on TorchOps: output, residual and the K/V it stores."""
     from paged_runtime.attention.torch_backend import AttentionMetadata, decode_group
@@ -132,11 +132,11 @@ def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
     for p in layer.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     rope = RotaryEmbedding(config, 512, torch.device("cpu"))
-    block_size, lens = 16, torch.tensor([1, 40, 200, 17, 16, 33, 90, 5][:rows])
-    tables = torch.randperm(128, generator=g).view(8, 16)[:rows]  # each row owns its blocks
+    block_size, lens = 16, torch.tensor([1, 40, 200, 17, 16, 33, 90, 5, 64, 2, 150][:rows])
+    tables = torch.randperm(192, generator=g).view(12, 16)[:rows]  # each row owns its blocks
     positions = lens - 1
     slots = tables[torch.arange(rows), positions // block_size] * block_size + positions % block_size
-    kv_cache = torch.randn(128 * block_size, 2, 2, 16, generator=g).to(dtype)
+    kv_cache = torch.randn(192 * block_size, 2, 2, 16, generator=g).to(dtype)
     x, residual = (torch.randn(rows, 96, generator=g).to(dtype) for _ in range(2))
     t = torch.arange(int(lens.max()))
     gather = tables[:, t // block_size] * block_size + t % block_size  # the PyTorch path's gathered context
