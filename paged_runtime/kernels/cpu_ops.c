@@ -379,21 +379,6 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
 #ifdef __AVX512F__
 #define MAX_CHUNKS 16 /* head_dim <= 256 */
 #define MAX_GROUP 64   /* query heads per KV head */
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2 /* KV blocks requested ahead of use */
-#endif
-
-/* Ask for one head's keys (half 0) or values (half 1) of a row's block ahead of use: blocks are scattered,
- * so the hardware cannot guess the next one. */
-static inline void prefetch_block(const char *kv_cache, const int64_t *table, int64_t block, int64_t len,
-                                  int64_t block_size, int64_t half, int64_t row_bytes, int64_t head_bytes,
-                                  int64_t dim_bytes) {
-    if (block * block_size >= len) return;
-    for (int64_t o = 0; o < block_size; o++) {
-        const char *row = kv_cache + ((table[block] * block_size + o) * 2 + half) * row_bytes + head_bytes;
-        for (int64_t at = 0; at < dim_bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
-    }
-}
 
 /* All query heads that share KV head g, for row b: each key and value is loaded and widened once for the
  * whole group. Scores for every head are kept (scratch: 2 * G * dim + G * len floats). Inlined per
@@ -408,12 +393,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     const int64_t *table = P->block_tables + b * P->table_stride;
     __m512 kv[MAX_CHUNKS];
     SlotWalk walk = {table, P->block_size, 0, 0};
-    for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS; ahead++)
-        prefetch_block(kv_cache, table, ahead, len, P->block_size, 0, row_bytes, head_bytes, dim * elem);
     for (int64_t t = 0; t < len; t++) {
-        if (walk.offset == 0)
-            prefetch_block(kv_cache, table, walk.block + PREFETCH_BLOCKS, len, P->block_size, 0, row_bytes,
-                           head_bytes, dim * elem);
         int64_t slot = next_slot(&walk);
         const char *key = (const char *)kv_cache + slot * 2 * row_bytes + head_bytes;
         for (int64_t c = 0; c < chunks; c++) kv[c] = load16(key, c * 16, dt);
@@ -441,12 +421,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         sums[j] = _mm512_reduce_add_ps(total);
     }
     walk = (SlotWalk){table, P->block_size, 0, 0};
-    for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS; ahead++)
-        prefetch_block(kv_cache, table, ahead, len, P->block_size, 1, row_bytes, head_bytes, dim * elem);
     for (int64_t t = 0; t < len; t++) {
-        if (walk.offset == 0)
-            prefetch_block(kv_cache, table, walk.block + PREFETCH_BLOCKS, len, P->block_size, 1, row_bytes,
-                           head_bytes, dim * elem);
         int64_t slot = next_slot(&walk);
         const char *value = (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes;
         for (int64_t c = 0; c < chunks; c++) kv[c] = load16(value, c * 16, dt);
