@@ -170,6 +170,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head).float()
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every matrix ``ops.linear`` multiplies by (the LM head once, even when tied)."""
+        mats = [m for layer in self.layers for m in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                                                      layer.mlp.gate_up_weight, layer.mlp.down_weight)]
+        return mats + [self.lm_head]
+
     # ---- weights ---------------------------------------------------------------
     def shard_sizes(self, fused_name: str) -> list[int]:
         a = self.layers[0].self_attn

@@ -63,6 +63,7 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"{folder} lacks weights for {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+    model.ops.prepare(model)
     return model.eval()
 
 

@@ -175,3 +175,21 @@ def test_library_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
         assert cpu.library() is None  # a failed build falls back to the PyTorch path
     finally:
         cpu.library.cache_clear()
+
+
+def test_mid_size_batches_multiply_with_packed_weights():
+    """Between MAX_ROWS and PACKED_MAX_ROWS rows, a bfloat16 model's matrices go through oneDNN-packed copies."""
+    from paged_runtime.models import ops
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+
+    class Model:
+        def linear_weights(self):
+            return [w]
+    kernel_ops = ops.CpuKernelOps()
+    kernel_ops.prepare(Model())
+    if not kernel_ops._packed:
+        pytest.skip("this torch build has no oneDNN packed linear")
+    for rows in (cpu.MAX_ROWS + 1, 64, ops.PACKED_MAX_ROWS, ops.PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert close(kernel_ops.linear(x, w, bias), F.linear(x.float(), w.float(), bias.float()), torch.bfloat16)
