@@ -34,7 +34,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "pr_linear": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _int], _int),
+    "pr_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], _int),
     "pr_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int], None),
     "pr_rope": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], None),
     "pr_silu_mul": ([_ptr, _ptr, _i64, _i64, _int], None),
@@ -74,7 +74,8 @@ class DecodeStep:
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                  kv_heads: int, head_dim: int, scale: float) -> None:
-        self._tensors = [t.contiguous() for t in (positions, slots, block_tables, context_lens, cos, sin)]
+        index = [t.to(torch.int64).contiguous() for t in (positions, slots, block_tables, context_lens)]
+        self._tensors = index + [cos.float().contiguous(), sin.float().contiguous()]
         positions, slots, block_tables, context_lens, cos, sin = self._tensors
         paged = _Paged(_p(block_tables), _p(context_lens), block_tables.stride(0), block_size, heads, kv_heads,
                        head_dim, scale)
@@ -140,11 +141,11 @@ def _p(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] @ weight[N, K].T, weights streamed once for all M rows."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] @ weight[N, K].T (+ bias), weights streamed once for all M rows."""
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype)
-    if library().pr_linear(_p(x), _p(weight), _p(out), m, n, k, DTYPES[x.dtype]):
+    if library().pr_linear(_p(x), _p(weight), _p(bias), _p(out), m, n, k, DTYPES[x.dtype]):
         raise RuntimeError(f"pr_linear failed for a {m}x{k} input")
     return out
 

@@ -8,7 +8,8 @@
  *
  * Numerics follow the PyTorch path of models/llama.py: fp32 arithmetic, with a
  * rounding to the tensor dtype exactly where PyTorch stores an intermediate in
- * that dtype, so the two paths differ only in the order of fp32 sums.
+ * that dtype, so the two paths differ in the order of fp32 sums and, in attention,
+ * in keeping the softmax probabilities in fp32 (PyTorch's bf16 SDPA rounds them).
  *
  * Tensors are bfloat16 (dt = 1) or float32 (dt = 0); index tensors int64.
  * OpenMP threads come from the runtime PyTorch already loaded (same soname).
@@ -89,7 +90,7 @@ static inline __m512 load16_masked(const void *p, int64_t i, int dt, __mmask16 m
 
 /* exp(x): Cephes' expf polynomial, ~1 ulp; inputs below -87.3 give exp(-87.3) (adds nothing to a sum). */
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x); /* NaN in x stays NaN (max returns its second operand) */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -152,7 +153,7 @@ static inline void dot_rows(const void *w, int64_t row, int64_t K, int dt, const
 }
 #endif
 
-/* Rows [begin, end) of out = x @ w.T (+ bias, added to the rounded product as PyTorch's mv + add). */
+/* Rows [begin, end) of out = x @ w.T (+ bias, before the one rounding). */
 static void linear_rows(const void *w, const void *bias, int64_t begin, int64_t end, int64_t N, int64_t K, int dt,
                         const float *x, int M, void *out) {
     float sums[MAX_ROWS];
@@ -174,7 +175,7 @@ static void linear_rows(const void *w, const void *bias, int64_t begin, int64_t 
             }
         }
         float b = bias ? load(bias, n, dt) : 0.f;
-        for (int m = 0; m < M; m++) store(out, m * N + n, bias ? rnd(sums[m], dt) + b : sums[m], dt);
+        for (int m = 0; m < M; m++) store(out, m * N + n, sums[m] + b, dt); /* one rounding, as F.linear */
     }
 }
 
@@ -187,13 +188,13 @@ static void linear_part(const void *w, const void *bias, int64_t N, int64_t K, i
     linear_rows(w, bias, begin, end, N, K, dt, x, M, out);
 }
 
-int pr_linear(const void *x, const void *w, void *out, int64_t M, int64_t N, int64_t K, int dt) {
+int pr_linear(const void *x, const void *w, const void *bias, void *out, int64_t M, int64_t N, int64_t K, int dt) {
     if (M < 1 || M > MAX_ROWS) return -1;
     float *xf = alloc_lines(sizeof(float) * M * K);
     if (!xf) return -2;
     for (int64_t i = 0; i < M * K; i++) xf[i] = load(x, i, dt);
 #pragma omp parallel
-    linear_part(w, NULL, N, K, dt, xf, (int)M, out);
+    linear_part(w, bias, N, K, dt, xf, (int)M, out);
     free(xf);
     return 0;
 }

@@ -115,13 +115,15 @@ class DecoderLayer(nn.Module):
         self._kernel_weights = None
 
     def kernel_weights(self) -> cpu_kernels.LayerWeights:
-        """This layer's weights for the fused CPU decode kernel (built once: the weights never move)."""
-        if self._kernel_weights is None:
-            a, m = self.self_attn, self.mlp
-            self._kernel_weights = cpu_kernels.LayerWeights.of(
-                self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_weight,
-                self.post_attention_layernorm.weight, m.gate_up_weight, m.down_weight, self.input_layernorm.eps)
-        return self._kernel_weights
+        """This layer's weights for the fused CPU decode kernel: raw pointers, so rebuilt whenever a weight
+        has moved (``.to()``, a reassigned ``.data``) since they were taken."""
+        a, m = self.self_attn, self.mlp
+        tensors = (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_weight,
+                   self.post_attention_layernorm.weight, m.gate_up_weight, m.down_weight)
+        where = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        if self._kernel_weights is None or self._kernel_weights[0] != where:
+            self._kernel_weights = where, cpu_kernels.LayerWeights.of(*tensors, self.input_layernorm.eps)
+        return self._kernel_weights[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,8 @@
 - ``CpuKernelOps``: the compiled CPU kernels of ``paged_runtime.kernels.cpu``. A
   decode step's few rows stream each weight matrix once (``linear``); norm, RoPE
   and SwiGLU are one call each instead of a dozen small tensor ops. It rounds to the
-  model dtype at the same points as ``TorchOps``, so the paths differ only in the
-  order of fp32 sums. Larger batches multiply with oneDNN (mid-size ones over packed weights).
+  model dtype at the same points as ``TorchOps``, so the paths differ in the order of
+  fp32 sums (and attention keeps its probabilities in fp32). Larger batches multiply with oneDNN (mid-size ones over packed weights).
 
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
@@ -37,8 +37,8 @@ class TorchOps:
         single row oneDNN's bf16 GEMM streams the weights at ~9 GB/s here, ``mv`` at ~14 (measured on
         the development machine's 2-core Xeon)."""
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            out = torch.mv(weight, x[0]).unsqueeze(0)
-            return out if bias is None else out + bias
+            out = torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0])
+            return out.unsqueeze(0)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -97,7 +97,7 @@ class CpuKernelOps(TorchOps):
         return x, residual
 
     def __init__(self) -> None:
-        self._packed: dict[int, torch.Tensor] = {}  # weight data_ptr -> oneDNN-packed copy
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # data_ptr -> (weight, packed copy)
 
     def prepare(self, model) -> None:
         """oneDNN-packed copies of a bfloat16 model's matrices, for batches of MAX_ROWS < M <= PACKED_MAX_ROWS:
@@ -109,15 +109,14 @@ class CpuKernelOps(TorchOps):
         if not weights or not _onednn_packing() or needed > available_memory() / 4:
             return
         for w in weights:
-            self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+            self._packed[w.data_ptr()] = (w, torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= cpu_kernels.MAX_ROWS:
-            out = cpu_kernels.linear(x.contiguous(), weight)
-            return out if bias is None else out + bias
-        packed = self._packed.get(weight.data_ptr()) if rows <= PACKED_MAX_ROWS else None
-        if packed is not None:
+            return cpu_kernels.linear(x.contiguous(), weight, bias)
+        source, packed = self._packed.get(weight.data_ptr(), (None, None)) if rows <= PACKED_MAX_ROWS else (None, None)
+        if source is weight:  # the very tensor it was packed from, not a later one at the same address
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 

@@ -44,7 +44,10 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes <= 0:
         return None
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: ordinary pages, same memory
+        logger.debug("MADV_HUGEPAGE refused; using ordinary pages")
     return torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
 
 

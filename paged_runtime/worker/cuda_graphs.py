@@ -36,8 +36,8 @@ def cuda_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], Non
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in LADDER if s < max_num_seqs]
-    return sizes + [min(max_num_seqs, LADDER[-1])]
+    largest = min(max_num_seqs, LADDER[-1])
+    return [s for s in LADDER if s < largest] + [largest]
 
 
 class DecodeGraphs:
@@ -72,7 +72,8 @@ class DecodeGraphs:
             self.graphs[size] = self._capture(forward, pool)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
-        """The step's hidden states from a replayed graph, or None when it must run eagerly."""
+        """The step's hidden states from a replayed graph, or None when it must run eagerly. They live in the
+        shared graph pool: valid until the next replay of any size, so the step reads them before then."""
         batch = input_ids.shape[0]
         if not isinstance(meta, TritonAttentionMetadata) or meta.max_query_len != 1 or batch > self.sizes[-1]:
             return None

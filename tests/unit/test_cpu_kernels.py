@@ -193,3 +193,14 @@ def test_mid_size_batches_multiply_with_packed_weights():
     for rows in (cpu.MAX_ROWS + 1, 64, ops.PACKED_MAX_ROWS, ops.PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert close(kernel_ops.linear(x, w, bias), F.linear(x.float(), w.float(), bias.float()), torch.bfloat16)
+
+
+def test_a_nan_in_the_context_reaches_the_output_as_in_pytorch():
+    """A NaN key poisons the heads that read it (PyTorch's softmax does the same), not silently dropped."""
+    kv_cache = torch.randn(32, 2, 2, 64)
+    kv_cache[3, 0, 1, 5] = float("nan")  # token 3's key, KV head 1
+    q = torch.randn(1, 4, 64)
+    out = cpu.paged_decode_attention(q, kv_cache, torch.tensor([[0, 1]]), torch.tensor([10]), 16, 0.125)
+    ref = gathered_attention(q, kv_cache, torch.tensor([[0, 1]]), torch.tensor([10]), 16, 0.125)
+    assert out[0, 2:].isnan().all() and ref[0, 2:].isnan().all()  # heads 2, 3 share KV head 1
+    assert torch.allclose(out[0, :2], ref[0, :2], atol=1e-5)
