@@ -112,17 +112,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, dtype, device, ops)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = MLP(c, dtype, device, ops)
-        self._kernel_weights = None
+        self._kernel_tensors = self._kernel_weights = None
 
     def kernel_weights(self) -> cpu_kernels.LayerWeights:
         """This layer's weights for the fused CPU decode kernel: raw pointers, so rebuilt whenever a weight
         has moved (``.to()``, a reassigned ``.data``) since they were taken."""
-        a, m = self.self_attn, self.mlp
-        tensors = (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_weight,
-                   self.post_attention_layernorm.weight, m.gate_up_weight, m.down_weight)
-        where = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        if self._kernel_tensors is None:
+            a, m = self.self_attn, self.mlp
+            self._kernel_tensors = (self.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_weight,
+                                    self.post_attention_layernorm.weight, m.gate_up_weight, m.down_weight)
+        where = [0 if t is None else t.data_ptr() for t in self._kernel_tensors]
         if self._kernel_weights is None or self._kernel_weights[0] != where:
-            self._kernel_weights = where, cpu_kernels.LayerWeights.of(*tensors, self.input_layernorm.eps)
+            self._kernel_weights = where, cpu_kernels.LayerWeights.of(*self._kernel_tensors, self.input_layernorm.eps)
         return self._kernel_weights[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache: torch.Tensor,

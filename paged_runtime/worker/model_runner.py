@@ -201,11 +201,14 @@ class ModelRunner:
         decodes, verifies = items[:ranks.count(0)], items[ranks.count(0):ranks.count(0) + ranks.count(1)]
         prefills = items[len(decodes) + len(verifies):]
         ids, pos, slots, groups = [], [], [], []
-        if decodes:
+        if self.model.ops.native and (decodes or verifies):
+            k_ids, k_pos, k_slots, group = self._kernel_rows(decodes + verifies)
+            ids.append(k_ids), pos.append(k_pos), slots.append(k_slots), groups.append(group)
+        elif decodes:
             d_ids, d_pos, d_slots, groups = self._decode_inputs(decodes)
             ids.append(d_ids), pos.append(d_pos), slots.append(d_slots)
-        start = len(decodes)
-        for first in range(0, len(verifies), DECODE_GROUP_SIZE):
+        start = sum(map(len, ids))
+        for first in range(0, 0 if self.model.ops.native else len(verifies), DECODE_GROUP_SIZE):
             part = verifies[first:first + DECODE_GROUP_SIZE]
             v_ids, v_pos, v_slots, group = self._verify_inputs(part, start)
             ids.append(v_ids), pos.append(v_pos), slots.append(v_slots), groups.append(group)
@@ -241,6 +244,21 @@ class ModelRunner:
         token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in verifies), np.int64, len(owner))
         return token_ids, positions, slots, group
 
+    def _kernel_rows(self, items: list[ScheduledRequest]):
+        """For the CPU kernel: one query row per token of decodes and verifications (last token + drafts),
+        each over its own causal context; a verification's rows share their request's block table. The
+        kernel stores every row's K/V before any row attends, so row i sees rows before it."""
+        counts = np.fromiter((s.num_scheduled for s in items), np.int64, len(items))
+        starts = np.fromiter((s.start for s in items), np.int64, len(items))
+        owner = np.repeat(np.arange(len(items)), counts)
+        positions = starts[owner] + np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
+        tables = self._tables(items)[owner]
+        slots = tables[np.arange(len(owner)), positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in items), np.int64, len(owner))
+        to = lambda a: torch.from_numpy(a).to(self.device)
+        return token_ids, positions, slots, KernelDecodeGroup(0, to(tables), to(positions + 1), self.block_size)
+
     @staticmethod
     def _tables(items: list[ScheduledRequest]) -> np.ndarray:
         tables = np.zeros((len(items), max(len(s.block_ids) for s in items)), dtype=np.int64)
@@ -266,9 +284,6 @@ class ModelRunner:
         tables = self._tables(decodes)
         rows = np.arange(len(decodes))
         slots = tables[rows, starts // self.block_size] * self.block_size + starts % self.block_size
-        if self.model.ops.native:
-            to = lambda a: torch.from_numpy(a).to(self.device)
-            return token_ids, starts, slots, [KernelDecodeGroup(0, to(tables), to(starts + 1), self.block_size)]
         groups = []
         for first in range(0, len(decodes), DECODE_GROUP_SIZE):
             lens = starts[first:first + DECODE_GROUP_SIZE] + 1  # sorted ascending: the last is the longest
