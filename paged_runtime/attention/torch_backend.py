@@ -10,10 +10,10 @@ A step's flat batch puts single-token queries (decodes) first, sorted by
 context length, and prompt chunks after. Decodes run in groups of similar
 length as batched, masked attention over gathered context (grouping keeps
 the padding small when lengths have long tails), or, where the model runs the
-compiled CPU kernels, all together in one kernel call over the block tables; each prompt chunk runs on
-its own with a causal mask aligned to the end of its context (earlier chunks
-and cache hits come first). Gather indices and masks are built once per
-step, not once per layer.
+compiled CPU kernels, all together (verification rows too) in one kernel call
+over the block tables; each prompt chunk runs on its own with a causal mask
+aligned to the end of its context (earlier chunks and cache hits come first).
+Gather indices and masks are built once per step, not once per layer.
 """
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class KernelDecodeGroup:
-    """Single-token queries attended by the CPU kernel straight from the paged cache: no gather, no
-    padding, so one group holds every decode of the step (``kernels/cpu.py``)."""
+    """One-token query rows attended by the CPU kernel straight from the paged cache, each over its own
+    context (decodes, and a verification's rows at consecutive positions): no gather, no padding, so one
+    group holds them all (``kernels/cpu.py``)."""
     row_start: int
     block_tables: torch.Tensor  # [rows, max_blocks] int64
     context_lens: torch.Tensor  # [rows] int64, counting the new token
@@ -94,7 +95,8 @@ class VerifyGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is stored
-    decodes: list[DecodeGroup | KernelDecodeGroup | VerifyGroup]  # one-token queries and verifications, the first rows
+    # One-token queries and verifications, the first rows.
+    decodes: list[DecodeGroup | KernelDecodeGroup | VerifyGroup]
     prefills: list[PrefillChunk]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -102,7 +104,7 @@ class AttentionMetadata:
         return paged_attention(q, k, v, kv_cache, self, scale)
 
     def kernel_decodes_only(self) -> KernelDecodeGroup | None:
-        """The step's one group when it holds nothing but decodes for the CPU kernel, else None."""
+        """The step's one group when it holds nothing but query rows for the CPU kernel, else None."""
         if self.prefills or len(self.decodes) != 1 or not isinstance(self.decodes[0], KernelDecodeGroup):
             return None
         return self.decodes[0]

@@ -1,8 +1,8 @@
 """CPU decode kernels: ``cpu_ops.c``, compiled on first use and called through ctypes.
 
 The library is built with the system C compiler (``-O3 -march=native -fopenmp``,
-about a second) into ``$XDG_CACHE_HOME/paged_runtime`` (default ``~/.cache``),
-named by a hash of the source, the compiler and the CPU's feature flags, so a
+about a second) into the runtime's cache folder (``$PAGED_RUNTIME_CACHE``, default
+``~/.cache/paged_runtime``, as for converted models), named by a hash of the source, the compiler and the CPU's feature flags, so a
 later start loads it at once and a changed source or machine rebuilds it. No
 compiler, or a failed build, leaves the PyTorch path in charge (logged once).
 ``PAGED_RUNTIME_CPU_KERNELS=0`` turns the kernels off; so does ``enforce_eager``.
@@ -82,10 +82,6 @@ class DecodeStep:
         self.struct = _DecodeStep(positions.shape[0], _p(positions), _p(slots), _p(cos), _p(sin), paged)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paged_runtime"
-
-
 def _cpu_flags() -> str:
     try:
         return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -99,6 +95,7 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    from paged_runtime.models.default_model import cache_dir
     target = cache_dir() / f"cpu_ops-{key}.so"
     if target.exists():
         return target

@@ -6,7 +6,8 @@
   decode step's few rows stream each weight matrix once (``linear``); norm, RoPE
   and SwiGLU are one call each instead of a dozen small tensor ops. It rounds to the
   model dtype at the same points as ``TorchOps``, so the paths differ in the order of
-  fp32 sums (and attention keeps its probabilities in fp32). Larger batches multiply with oneDNN (mid-size ones over packed weights).
+  fp32 sums (and attention keeps its probabilities in fp32). Larger batches multiply
+  with oneDNN (mid-size ones over packed weights).
 
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
@@ -59,13 +60,18 @@ class TorchOps:
     def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
         """Split a fused qkv into [T, heads, head_dim] q, k, v with q and k rotated."""
         cos, sin = rope_inputs
-        q, k, v = (t.view(t.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1))
+        q, k, v = split_heads(qkv, sizes, head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def split_heads(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int) -> list[torch.Tensor]:
+    """Views of a fused [T, q + k + v] row block as [T, heads, head_dim] q, k and v."""
+    return [t.view(t.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1)]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +85,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CpuKernelOps(TorchOps):
     native = True
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # data_ptr -> (weight, packed copy)
 
     @staticmethod
     def decode_layers(model, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -96,9 +105,6 @@ class CpuKernelOps(TorchOps):
             cpu_kernels.decode_layer(layer.kernel_weights(), step, kv_cache, x, residual)
         return x, residual
 
-    def __init__(self) -> None:
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # data_ptr -> (weight, packed copy)
-
     def prepare(self, model) -> None:
         """oneDNN-packed copies of a bfloat16 model's matrices, for batches of MAX_ROWS < M <= PACKED_MAX_ROWS:
         oneDNN re-lays plain weights out on every call, and packed ones measured 1.3-1.6x faster there (16-192
@@ -115,9 +121,10 @@ class CpuKernelOps(TorchOps):
         rows = x.shape[0]
         if rows <= cpu_kernels.MAX_ROWS:
             return cpu_kernels.linear(x.contiguous(), weight, bias)
-        source, packed = self._packed.get(weight.data_ptr(), (None, None)) if rows <= PACKED_MAX_ROWS else (None, None)
-        if source is weight:  # the very tensor it was packed from, not a later one at the same address
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        if rows <= PACKED_MAX_ROWS:
+            source, packed = self._packed.get(weight.data_ptr(), (None, None))
+            if source is weight:  # the very tensor it was packed from, not a later one at the same address
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -136,8 +143,7 @@ class CpuKernelOps(TorchOps):
         qkv = qkv.contiguous()
         # q's heads and k's heads are adjacent in each row: one in-place pass rotates both.
         cpu_kernels.rope_(qkv, (q_size + kv_size) // head_dim, head_dim, *rope_inputs)
-        q, k, v = (t.view(t.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1))
-        return q, k, v
+        return split_heads(qkv, sizes, head_dim)
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

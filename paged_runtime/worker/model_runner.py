@@ -202,13 +202,15 @@ class ModelRunner:
         prefills = items[len(decodes) + len(verifies):]
         ids, pos, slots, groups = [], [], [], []
         if self.model.ops.native and (decodes or verifies):
+            # The CPU kernel takes decodes and verifications alike: one query row per token.
             k_ids, k_pos, k_slots, group = self._kernel_rows(decodes + verifies)
             ids.append(k_ids), pos.append(k_pos), slots.append(k_slots), groups.append(group)
-        elif decodes:
+            decodes = verifies = []
+        if decodes:
             d_ids, d_pos, d_slots, groups = self._decode_inputs(decodes)
             ids.append(d_ids), pos.append(d_pos), slots.append(d_slots)
         start = sum(map(len, ids))
-        for first in range(0, 0 if self.model.ops.native else len(verifies), DECODE_GROUP_SIZE):
+        for first in range(0, len(verifies), DECODE_GROUP_SIZE):
             part = verifies[first:first + DECODE_GROUP_SIZE]
             v_ids, v_pos, v_slots, group = self._verify_inputs(part, start)
             ids.append(v_ids), pos.append(v_pos), slots.append(v_slots), groups.append(group)
@@ -225,15 +227,24 @@ class ModelRunner:
         to = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int64)).to(self.device)
         return to(ids), to(pos), AttentionMetadata(to(slots), groups, chunks)
 
-    def _verify_inputs(self, verifies: list[ScheduledRequest], row_start: int):
-        """Speculating requests' last token + drafts: one context gather per request, causal queries."""
-        counts = np.fromiter((s.num_scheduled for s in verifies), np.int64, len(verifies))
-        starts = np.fromiter((s.start for s in verifies), np.int64, len(verifies))
-        owner = np.repeat(np.arange(len(verifies)), counts)
+    def _query_rows(self, items: list[ScheduledRequest]):
+        """Each item's ``num_scheduled`` tokens from ``start``, item after item: the owning item, offset within
+        it and position of every row, the items' block tables, the rows' slots and token ids."""
+        counts = np.fromiter((s.num_scheduled for s in items), np.int64, len(items))
+        starts = np.fromiter((s.start for s in items), np.int64, len(items))
+        owner = np.repeat(np.arange(len(items)), counts)
         offset = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
         positions = starts[owner] + offset
-        tables = self._tables(verifies)
+        tables = self._tables(items)
         slots = tables[owner, positions // self.block_size] * self.block_size + positions % self.block_size
+        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in items), np.int64, len(owner))
+        return owner, offset, positions, tables, slots, token_ids
+
+    def _verify_inputs(self, verifies: list[ScheduledRequest], row_start: int):
+        """Speculating requests' last token + drafts: one context gather per request, causal queries."""
+        owner, offset, positions, tables, slots, token_ids = self._query_rows(verifies)
+        counts = np.fromiter((s.num_scheduled for s in verifies), np.int64, len(verifies))
+        starts = np.fromiter((s.start for s in verifies), np.int64, len(verifies))
         width, queries = int((starts + counts).max()), int(counts.max())
         query_pos = starts[:, None] + np.arange(queries)[None, :]  # [R, Q]
         mask = np.arange(width)[None, None, :] <= query_pos[:, :, None]
@@ -241,23 +252,16 @@ class ModelRunner:
         to = lambda a: torch.from_numpy(a).to(self.device)
         group = VerifyGroup(row_start, to(self._slots(tables, np.arange(width))), to(owner * queries + offset),
                             queries, to(mask[:, None]))
-        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in verifies), np.int64, len(owner))
         return token_ids, positions, slots, group
 
     def _kernel_rows(self, items: list[ScheduledRequest]):
         """For the CPU kernel: one query row per token of decodes and verifications (last token + drafts),
         each over its own causal context; a verification's rows share their request's block table. The
         kernel stores every row's K/V before any row attends, so row i sees rows before it."""
-        counts = np.fromiter((s.num_scheduled for s in items), np.int64, len(items))
-        starts = np.fromiter((s.start for s in items), np.int64, len(items))
-        owner = np.repeat(np.arange(len(items)), counts)
-        positions = starts[owner] + np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
-        tables = self._tables(items)[owner]
-        slots = tables[np.arange(len(owner)), positions // self.block_size] * self.block_size \
-            + positions % self.block_size
-        token_ids = np.fromiter(chain.from_iterable(s.input_token_ids() for s in items), np.int64, len(owner))
+        owner, _, positions, tables, slots, token_ids = self._query_rows(items)
         to = lambda a: torch.from_numpy(a).to(self.device)
-        return token_ids, positions, slots, KernelDecodeGroup(0, to(tables), to(positions + 1), self.block_size)
+        group = KernelDecodeGroup(0, to(tables[owner]), to(positions + 1), self.block_size)
+        return token_ids, positions, slots, group
 
     @staticmethod
     def _tables(items: list[ScheduledRequest]) -> np.ndarray:

@@ -156,11 +156,11 @@ def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
 
 
 def test_library_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path))
     cpu.library.cache_clear()
     try:
         assert cpu.library() is not None
-        built = list((tmp_path / "paged_runtime").glob("cpu_ops-*.so"))
+        built = list(tmp_path.glob("cpu_ops-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
         cpu.library.cache_clear()
@@ -171,14 +171,17 @@ def test_library_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
         cpu.library.cache_clear()
         monkeypatch.delenv(cpu.DISABLE_ENV)
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
+        monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "elsewhere"))
         assert cpu.library() is None  # a failed build falls back to the PyTorch path
     finally:
         cpu.library.cache_clear()
 
 
-def test_mid_size_batches_multiply_with_packed_weights():
-    """Between MAX_ROWS and PACKED_MAX_ROWS rows, a bfloat16 model's matrices go through oneDNN-packed copies."""
+def test_mid_size_batches_multiply_with_packed_weights(monkeypatch):
+    """Between MAX_ROWS and PACKED_MAX_ROWS rows, a bfloat16 model's matrices go through oneDNN-packed copies;
+    more rows, or any other tensor, take plain F.linear."""
+    from types import SimpleNamespace
+
     from paged_runtime.models import ops
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16)
@@ -190,9 +193,14 @@ def test_mid_size_batches_multiply_with_packed_weights():
     kernel_ops.prepare(Model())
     if not kernel_ops._packed:
         pytest.skip("this torch build has no oneDNN packed linear")
+    plain = []  # (packed and plain results are bitwise equal here: watch which path runs)
+    monkeypatch.setattr(ops, "F", SimpleNamespace(linear=lambda *a: plain.append(a[0].shape[0]) or F.linear(*a)))
     for rows in (cpu.MAX_ROWS + 1, 64, ops.PACKED_MAX_ROWS, ops.PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert close(kernel_ops.linear(x, w, bias), F.linear(x.float(), w.float(), bias.float()), torch.bfloat16)
+    # Another tensor at the packed one's address (as after the packed one is freed) is not taken for it.
+    kernel_ops.linear(torch.randn(63, 64).to(torch.bfloat16), w.detach(), bias)
+    assert plain == [ops.PACKED_MAX_ROWS + 1, 63]
 
 
 def test_a_nan_in_the_context_reaches_the_output_as_in_pytorch():
