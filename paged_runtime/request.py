@@ -60,12 +60,16 @@ class Request:
     # token; a paused request is not scheduled.
     paused: bool = False
     speculative: bool = True  # may verify draft tokens (beam search sequences may not)
+    # Never start from prefix-cache hits: every prompt position is computed (prompt logprobs need
+    # each one's logits). The request's own blocks are still published to the cache.
+    skip_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
         if not self.index:
             self.num_pending_forks = self.params.best_of - 1
+        self.skip_prefix_cache = self.skip_prefix_cache or self.params.prompt_logprobs is not None
 
     def fork(self, index: int, request_id: str | None = None) -> Request:
         """A sibling at the same point: same tokens and computed count (its blocks are forked
@@ -73,7 +77,8 @@ class Request:
         request_id = request_id or child_request_id(self.group_id, index)
         child = Request(request_id, self.prompt_token_ids, self.params, self.arrival,
                         self.max_tokens, self.eos_token_ids, self.prompt, self.priority, self.cache_salt,
-                        group_id=self.group_id, index=index, speculative=self.speculative)
+                        group_id=self.group_id, index=index, speculative=self.speculative,
+                        skip_prefix_cache=self.skip_prefix_cache)
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status

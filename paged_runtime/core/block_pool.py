@@ -7,7 +7,9 @@ Invariants:
   go to the tail, so recently used ones (and their cached prefixes) survive
   longest;
 - a block with a hash is findable in ``cached`` until it is handed out again:
-  a freed block keeps its KV and its hash, which is what the prefix cache is.
+  a freed block keeps its KV and its hash, which is what the prefix cache is;
+- ``cached`` maps each hash to the one block carrying it: a block is hashed at
+  most once until ``allocate`` or ``reset_cache`` clears its hash.
 """
 from __future__ import annotations
 
@@ -97,15 +99,23 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take one more reference on (cached) blocks, pulling free ones out of the queue."""
+        """Take one more reference on held or cached blocks, pulling free ones out of the queue."""
         for block in blocks:
+            assert block.ref_count > 0 or block.block_hash is not None, f"{block} is free and uncached: its KV is gone"
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Make a full, written block findable by its hash (the first holder of a hash wins)."""
-        if block.block_hash is None and block_hash not in self.cached:
+        """Make a full, written block findable by its hash (the first holder of a hash wins).
+
+        A block is hashed at most once between hand-outs: only ``allocate`` (eviction) or
+        ``reset_cache`` clears a hash, and callers never offer an already hashed block again.
+        The block must be held: only a table's owner writes KV into it.
+        """
+        assert block.block_hash is None, f"{block} is already cached; it must be evicted or reset first"
+        assert block.ref_count > 0, f"{block} is free: nobody wrote its KV"
+        if block_hash not in self.cached:  # else an equal block got there first; this one stays plain
             block.block_hash = block_hash
             self.cached[block_hash] = block
 

@@ -1,7 +1,8 @@
 """Per-request block tables on top of the block pool: prefix caching and copy-on-write.
 
-A request's block table is append-only while it runs and is released whole
-(tail first) when it finishes or is preempted. ``allocate_slots`` is the only
+A request's block table is append-only while it runs (copy-on-write may swap
+its tail block for a private copy) and is released whole (tail first) when it
+finishes or is preempted. ``allocate_slots`` is the only
 way a table grows: it either reserves every slot asked for or nothing.
 
 Prefix caching: once a block is full and its KV written, it is hashed with
@@ -13,11 +14,22 @@ Copy-on-write: ``fork`` shares every block of a table, the partial tail
 included, by reference count. A shared block is never written: before a
 request appends into a shared partial tail, ``allocate_slots`` gives it a
 private copy and records ``(src, dst)`` for the runner to copy first.
+
+The scheduler never sees a block: ``get_computed_blocks`` gives it an opaque
+``ComputedBlocks`` (handed back to ``allocate_slots``) and a token count, and
+the runner gets block ids. ``take_block_ids_update`` says how a request's id
+table changed since the last take, so only the change need be sent::
+
+    table before: [7, 3, 9]            allocate 1 more  -> (3, [4])
+    table before: [7, 3, 9(shared)]    copy-on-write    -> (2, [5])
+    freed, then re-admitted with [7, 2]                 -> (0, [7, 2])
 """
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +45,17 @@ def hash_block(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes() + salt).digest()
 
 
+@dataclass(slots=True, frozen=True)
+class ComputedBlocks:
+    """Prefix-cache hits for a request that has no table yet. Opaque to the scheduler, which only
+    hands them back to ``allocate_slots`` before the pool changes (blocks in the free queue could
+    be handed out to someone else)."""
+    blocks: tuple[KVBlock, ...] = ()
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -40,7 +63,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[KVBlock]] = {}
         self.table_ids: dict[str, list[int]] = {}  # the same tables as plain ids, for the runner
-        self.num_hashed_blocks: dict[str, int] = {}  # leading blocks of a table already cached
+        self.num_hashed_blocks: dict[str, int] = {}  # leading blocks of a table already offered to the cache
+        # Per request: the first index of its id table the runner has not been told about
+        # (absent: nothing changed since the last take_block_ids_update).
+        self.first_changed: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -53,10 +79,11 @@ class KVCacheManager:
         return self.pool.usage()
 
     # ---- prefix cache --------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """The longest run of cached blocks at the start of ``request``'s tokens."""
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
+        """The longest run of cached blocks at the start of ``request``'s tokens, and the number of
+        tokens they hold (a multiple of the block size, always < ``request.num_tokens``)."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return NO_COMPUTED_BLOCKS, 0
         self._hash_full_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is always computed
         hits = []
@@ -65,13 +92,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits
+        return ComputedBlocks(tuple(hits)), len(hits) * self.block_size
 
-    def record_prefix_query(self, request: Request, num_hit_blocks: int) -> None:
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count a lookup that led to an admission (tokens queried, tokens found)."""
         if self.enable_caching:
             self.num_queried_tokens += request.num_tokens
-            self.num_hit_tokens += num_hit_blocks * self.block_size
+            self.num_hit_tokens += num_hit_tokens
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Hash and publish every block of ``request`` that is now full and written."""
@@ -84,7 +111,7 @@ class KVCacheManager:
             return
         self._hash_full_blocks(request)
         for block, block_hash in zip(table[first:num_full], request.block_hashes[first:num_full]):
-            self.pool.cache(block, block_hash)
+            self.pool.cache(block, block_hash)  # never offered before: past this table's hashed count
         self.num_hashed_blocks[request.request_id] = num_full
 
     def _hash_full_blocks(self, request: Request) -> None:
@@ -94,49 +121,81 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else b"", request.all_token_ids[i * bs:(i + 1) * bs], salt))
 
     def reset_prefix_cache(self) -> None:
+        """Forget every hash; the blocks now in tables are not offered to the cache again."""
         self.pool.reset_cache()
         for request_id in self.num_hashed_blocks:
             self.num_hashed_blocks[request_id] = len(self.tables.get(request_id, ()))
 
     # ---- allocation ------------------------------------------------------------------
-    def _plan(self, request: Request, num_new_tokens: int, computed: list[KVBlock]) -> tuple[int, bool]:
-        """(new blocks to allocate, whether the tail must be copied first)."""
-        table = self.tables.get(request.request_id) or computed
-        num_computed = request.num_computed_tokens or len(computed) * self.block_size
+    def _plan(self, request: Request, num_new_tokens: int, computed: ComputedBlocks) -> tuple[int, bool, int]:
+        """(new blocks to allocate, whether the tail must be copied first, tokens already computed)."""
+        table, num_computed = self._current(request, computed)
         num_slots = num_computed + num_new_tokens
         copy_tail = bool(num_new_tokens and num_computed % self.block_size and table[-1].ref_count > 1)
-        return max(0, cdiv(num_slots, self.block_size) - len(table)) + copy_tail, copy_tail
+        return max(0, cdiv(num_slots, self.block_size) - len(table)) + copy_tail, copy_tail, num_computed
 
-    def can_allocate(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
-        num_blocks, _ = self._plan(request, num_new_tokens, list(computed))
-        num_revived = sum(1 for b in computed if b.ref_count == 0)  # cached but sitting in the free queue
+    def _current(self, request: Request, computed: ComputedBlocks) -> tuple[Sequence[KVBlock], int]:
+        """The table to grow and the tokens in it: the cache hits' for a request without a table."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            num_computed = len(computed.blocks) * self.block_size
+            assert request.num_computed_tokens in (0, num_computed), f"{request.request_id} has KV but no table"
+            return computed.blocks, num_computed
+        assert not computed.blocks, f"{request.request_id} already has a table: cache hits are for admission"
+        return table, request.num_computed_tokens
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> bool:
+        num_blocks, _, _ = self._plan(request, num_new_tokens, computed)
+        num_revived = sum(1 for b in computed.blocks if b.ref_count == 0)  # cached but sitting in the free queue
         return num_blocks + num_revived <= self.pool.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (and ``computed``
         cache hits for a request that has no table yet); False, changing nothing, if short."""
-        computed = list(computed)
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
-        num_blocks, copy_tail = self._plan(request, num_new_tokens, computed)
-        if request.request_id not in self.tables:
-            self.pool.touch(computed)
-            self.tables[request.request_id] = computed
-            self.table_ids[request.request_id] = [b.block_id for b in computed]
-            self.num_hashed_blocks[request.request_id] = len(computed)
-        table, ids = self.tables[request.request_id], self.table_ids[request.request_id]
+        num_blocks, copy_tail, num_computed = self._plan(request, num_new_tokens, computed)
+        request_id = request.request_id
+        if request_id not in self.tables:
+            self._new_table(request, computed)
+        table, ids = self.tables[request_id], self.table_ids[request_id]
+        num_old = len(table)
         new_blocks = self.pool.allocate(num_blocks)
         if copy_tail:
-            self._copy_on_write(table, ids, new_blocks.pop())
+            self._copy_on_write(request_id, new_blocks.pop())
         table.extend(new_blocks)
         ids.extend(b.block_id for b in new_blocks)
+        if new_blocks:
+            self._mark_changed(request_id, num_old)
+        self._assert_private(request_id, num_computed, num_new_tokens)
         return True
 
-    def _copy_on_write(self, table: list[KVBlock], ids: list[int], private: KVBlock) -> None:
+    def _assert_private(self, request_id: str, num_computed: int, num_new_tokens: int) -> None:
+        """A shared block is never written: every block the new tokens land in is this table's alone."""
+        if num_new_tokens:
+            first, end = num_computed // self.block_size, cdiv(num_computed + num_new_tokens, self.block_size)
+            written = self.tables[request_id][first:end]
+            assert all(b.ref_count == 1 for b in written), f"{request_id} would write a shared block"
+
+    def _new_table(self, request: Request, computed: ComputedBlocks) -> None:
+        """Start ``request``'s table from its cache hits (which must still be cached)."""
+        for block, block_hash in zip(computed.blocks, request.block_hashes):
+            assert block.block_hash == block_hash, f"stale cache hit {block}: the pool changed since the lookup"
+        self.pool.touch(computed.blocks)
+        self.tables[request.request_id] = list(computed.blocks)
+        self.table_ids[request.request_id] = [b.block_id for b in computed.blocks]
+        self.num_hashed_blocks[request.request_id] = len(computed.blocks)
+        self.first_changed[request.request_id] = 0  # a new table: the runner takes it whole
+
+    def _copy_on_write(self, request_id: str, private: KVBlock) -> None:
+        table, ids = self.tables[request_id], self.table_ids[request_id]
         shared = table[-1]
         shared.ref_count -= 1  # still >= 1: others hold it
         self.pending_copies.append((shared.block_id, private.block_id))
         table[-1], ids[-1] = private, private.block_id
+        self._mark_changed(request_id, len(table) - 1)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -144,20 +203,35 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's table, every block shared (ref count + 1)."""
+        assert child.request_id not in self.tables, f"{child.request_id} already has a table"
         blocks = self.tables[parent.request_id]
         self.pool.touch(blocks)
         self.tables[child.request_id] = list(blocks)
         self.table_ids[child.request_id] = list(self.table_ids[parent.request_id])
         self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
+        self.first_changed[child.request_id] = 0
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.table_ids.get(request_id, [])
+
+    def _mark_changed(self, request_id: str, first: int) -> None:
+        self.first_changed[request_id] = min(first, self.first_changed.get(request_id, first))
+
+    def take_block_ids_update(self, request_id: str) -> tuple[int, list[int]] | None:
+        """How ``request_id``'s id table changed since the last take: ``(first, ids)`` means the
+        table is now ``table_at_last_take[:first] + ids``; None if nothing changed (or it has no
+        table). A new table (admission, re-admission after preemption, fork) gives first = 0."""
+        first = self.first_changed.pop(request_id, None)
+        if first is None:
+            return None
+        return first, self.table_ids[request_id][first:]
 
     def free(self, request: Request) -> None:
         """Release the request's table, tail first so chains are evicted from their end."""
         blocks = self.tables.pop(request.request_id, [])
         self.table_ids.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
+        self.first_changed.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def check_invariants(self, requests: list[Request]) -> None:
@@ -174,3 +248,15 @@ class KVCacheManager:
             num_slots = len(self.tables.get(request.request_id, ())) * self.block_size
             assert request.num_computed_tokens <= num_slots, f"{request.request_id} computed past its slots"
         assert set(self.tables) <= {r.request_id for r in requests}, "table of an unknown request"
+        for request_id, table in self.tables.items():
+            self._check_table(request_id, table)
+        assert set(self.first_changed) <= set(self.tables), "an update pending for a freed table"
+
+    def _check_table(self, request_id: str, table: list[KVBlock]) -> None:
+        """Ids mirror blocks; blocks past the hashed count carry no hash (so ``pool.cache`` never
+        sees a block twice); a pending update starts inside the table."""
+        assert self.table_ids[request_id] == [b.block_id for b in table], f"{request_id} ids out of sync"
+        num_hashed = self.num_hashed_blocks[request_id]
+        assert num_hashed <= len(table), f"{request_id} hashed past its table"
+        assert all(b.block_hash is None for b in table[num_hashed:]), f"{request_id} has a hash past its hashed count"
+        assert 0 <= self.first_changed.get(request_id, 0) <= len(table)

@@ -184,15 +184,15 @@ class Scheduler:
                 continue
             if len(self.running) + 1 + request.num_pending_forks > self.max_num_seqs:
                 break
-            hits = self.kv_cache.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, len(hits) * self.kv_cache.block_size, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            computed, num_computed = self.kv_cache.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_computed, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed):
                 if self._preempt_for_priority(request, scheduled):
                     budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
                     continue  # rare: recount the budget the victim may have given back
                 break
-            self.kv_cache.record_prefix_query(request, len(hits))
-            request.num_computed_tokens = len(hits) * self.kv_cache.block_size
+            self.kv_cache.record_prefix_query(request, num_computed)
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             self.waiting.pop(position)

@@ -1,0 +1,269 @@
+"""KV-cache manager contract: opaque cache hits, block-id table updates for the runner, invariants."""
+from __future__ import annotations
+
+import pytest
+
+from paged_runtime.core.block_pool import BlockPool
+from paged_runtime.core.kv_cache_manager import NO_COMPUTED_BLOCKS, KVCacheManager
+from paged_runtime.core.scheduler import Scheduler
+from paged_runtime.request import Request, RequestStatus
+from paged_runtime.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(request_id: str, token_ids: list[int], arrival: int = 0, **params) -> Request:
+    return Request(request_id, list(token_ids), SamplingParams(**params), arrival, max_tokens=100,
+                   eos_token_ids=frozenset({2}))
+
+
+def computed_request(kv: KVCacheManager, request: Request) -> Request:
+    """Allocate and 'compute' the whole prompt of ``request``, publishing its full blocks."""
+    assert kv.allocate_slots(request, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
+    return request
+
+
+# ---- take_block_ids_update --------------------------------------------------------------
+def test_new_table_then_appends():
+    kv = KVCacheManager(10, BS)
+    a = make_request("a", range(10))
+    assert kv.take_block_ids_update("a") is None  # no table yet
+    assert kv.allocate_slots(a, 10)
+    assert kv.take_block_ids_update("a") == (0, [0, 1, 2])
+    assert kv.take_block_ids_update("a") is None  # nothing changed since the last take
+    a.num_computed_tokens = 10
+    assert kv.allocate_slots(a, 2)  # slots 10, 11 fit in block 2
+    assert kv.take_block_ids_update("a") is None
+    a.num_computed_tokens = 12
+    assert kv.allocate_slots(a, 1)
+    a.num_computed_tokens = 13
+    assert kv.allocate_slots(a, 4)  # two appends between takes come as one
+    assert kv.take_block_ids_update("a") == (3, [3, 4])
+    assert kv.block_ids("a") == [0, 1, 2, 3, 4]
+    kv.check_invariants([a])
+
+
+def test_an_empty_new_table_is_still_an_update():
+    kv = KVCacheManager(4, BS)
+    a = make_request("a", range(5))
+    assert kv.allocate_slots(a, 0)
+    assert kv.take_block_ids_update("a") == (0, [])
+
+
+def test_new_table_from_prefix_hits():
+    kv = KVCacheManager(10, BS)
+    a = computed_request(kv, make_request("a", range(12)))
+    kv.take_block_ids_update("a")
+    b = make_request("b", list(range(12)) + [99], arrival=1)
+    computed, num_computed = kv.get_computed_blocks(b)
+    assert num_computed == 12  # 3 full blocks hit; the 13th token is computed
+    assert kv.allocate_slots(b, 1, computed)
+    assert kv.take_block_ids_update("b") == (0, [0, 1, 2, 3])
+    assert [kv.pool.blocks[i].ref_count for i in range(4)] == [2, 2, 2, 1]
+    assert kv.take_block_ids_update("a") is None  # sharing a's blocks does not change a's table
+    b.num_computed_tokens = 12
+    kv.check_invariants([a, b])
+
+
+def test_copy_on_write_replaces_the_tail_entry():
+    kv = KVCacheManager(10, BS)
+    parent = make_request("p", range(10))
+    assert kv.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    children = [parent.fork(i) for i in (1, 2)]
+    for child in children:
+        kv.fork(parent, child)
+    assert kv.take_block_ids_update("p") == (0, [0, 1, 2])
+    for child in children:
+        assert kv.take_block_ids_update(child.request_id) == (0, [0, 1, 2])  # a fork is a new table
+    one, two = children
+    assert kv.allocate_slots(one, 1)  # slot 10 is in the shared tail: private copy
+    assert kv.take_pending_copies() == [(2, 3)]
+    assert kv.take_block_ids_update(one.request_id) == (2, [3])
+    assert kv.allocate_slots(two, 3)  # slots 10..12: copy of the tail, then one new block
+    assert kv.take_pending_copies() == [(2, 5)]
+    assert kv.take_block_ids_update(two.request_id) == (2, [5, 4])
+    assert kv.allocate_slots(parent, 1)  # block 2 is the parent's alone now: no copy, no change
+    assert kv.take_pending_copies() == [] and kv.take_block_ids_update("p") is None
+    kv.check_invariants([parent, one, two])
+
+
+def test_free_drops_the_table_and_readmission_starts_over():
+    kv = KVCacheManager(6, BS)
+    a = make_request("a", range(6))
+    assert kv.allocate_slots(a, 6)
+    assert kv.take_block_ids_update("a") == (0, [0, 1])
+    a.num_computed_tokens = 6
+    assert kv.allocate_slots(a, 3)  # block 2 appended, never taken
+    kv.free(a)
+    a.num_computed_tokens = 0
+    assert kv.take_block_ids_update("a") is None and kv.block_ids("a") == []
+    assert kv.allocate_slots(a, 9)  # free queue after the tail-first free: [3, 4, 5, 2, 1, 0]
+    assert kv.take_block_ids_update("a") == (0, [3, 4, 5])
+    kv.check_invariants([a])
+
+
+def test_preempted_request_gets_its_whole_new_table_after_readmission():
+    # test_scheduler's preemption scenario: two identical 7-token prompts in 4 blocks of 4 slots.
+    kv = KVCacheManager(4, BS)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=100)
+    old, new = make_request("old", range(10, 17)), make_request("new", range(10, 17), arrival=1)
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    for _ in range(2):
+        step(scheduler)
+    assert kv.take_block_ids_update("old") == (0, [0, 1]) and kv.take_block_ids_update("new") == (0, [2, 3])
+    out = step(scheduler)  # slot 8 needs a third block: "new" is preempted, "old" gets its block 3
+    assert out.num_preempted == 1
+    assert kv.take_block_ids_update("old") == (2, [3]) and kv.take_block_ids_update("new") is None
+    scheduler.finish_requests(["old"], RequestStatus.FINISHED_ABORTED)
+    # old's full blocks 0 and 1 hold exactly new's first 8 tokens (same prompt, same sampled 7s).
+    assert step(scheduler).scheduled[0].num_new_tokens == 1
+    assert new.num_computed_tokens == 9 and kv.take_block_ids_update("new") == (0, [0, 1, 2])
+
+
+def step(scheduler: Scheduler):
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, [[7] if s.samples else [] for s in out.scheduled])
+    scheduler.check_invariants()
+    return out
+
+
+# ---- prefix-cache lookups ---------------------------------------------------------------
+def test_prompt_logprobs_skip_the_prefix_cache_and_forks_inherit_it():
+    kv = KVCacheManager(10, BS)
+    computed_request(kv, make_request("a", range(12)))
+    plain = make_request("plain", range(13))
+    logprobs = make_request("logprobs", range(13), prompt_logprobs=0)
+    flagged = Request("flagged", list(range(13)), SamplingParams(), 0, 100, skip_prefix_cache=True)
+    assert not plain.skip_prefix_cache and logprobs.skip_prefix_cache and flagged.skip_prefix_cache
+    assert logprobs.fork(1).skip_prefix_cache and flagged.fork(1).skip_prefix_cache
+    assert kv.get_computed_blocks(plain)[1] == 12
+    assert kv.get_computed_blocks(logprobs) == (NO_COMPUTED_BLOCKS, 0)
+    assert kv.get_computed_blocks(flagged) == (NO_COMPUTED_BLOCKS, 0)
+
+
+def test_record_prefix_query_counts_tokens():
+    kv = KVCacheManager(10, BS)
+    kv.record_prefix_query(make_request("a", range(13)), 12)
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (13, 12)
+    off = KVCacheManager(10, BS, enable_caching=False)
+    off.record_prefix_query(make_request("a", range(13)), 0)
+    assert (off.num_queried_tokens, off.num_hit_tokens) == (0, 0)
+
+
+def test_stale_hits_are_refused():
+    kv = KVCacheManager(4, BS)
+    a = computed_request(kv, make_request("a", range(8)))
+    kv.free(a)  # blocks 0 and 1 stay cached in the free queue: [2, 3, 1, 0]
+    b = make_request("b", list(range(8)) + [5], arrival=1)
+    computed, num_computed = kv.get_computed_blocks(b)
+    assert num_computed == 8
+    x = make_request("x", range(100, 112))
+    assert kv.allocate_slots(x, 12) and kv.block_ids("x") == [2, 3, 1]  # block 1's hash is evicted
+    kv.free(x)
+    with pytest.raises(AssertionError, match="stale cache hit"):
+        kv.allocate_slots(b, 1, computed)
+
+
+def test_hits_are_only_for_a_request_without_a_table():
+    kv = KVCacheManager(10, BS)
+    computed_request(kv, make_request("a", range(8)))
+    b = make_request("b", list(range(8)) + [5], arrival=1)
+    computed, _ = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 9)
+    with pytest.raises(AssertionError, match="already has a table"):
+        kv.allocate_slots(b, 0, computed)
+
+
+# ---- hashing invariants ------------------------------------------------------------------
+def test_a_hashed_block_is_not_hashed_again_until_evicted_or_reset():
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.cache(block, b"h1")
+    with pytest.raises(AssertionError, match="already cached"):
+        pool.cache(block, b"h1")
+    pool.free([block])
+    pool.allocate(2)  # the free queue is [1, 0]: block 0 is handed out again and its hash evicted
+    assert block.block_hash is None and not pool.cached
+    pool.cache(block, b"h2")
+    pool.reset_cache()
+    pool.cache(block, b"h3")
+    assert pool.cached == {b"h3": block}
+
+
+def test_a_free_block_is_never_hashed():
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(AssertionError, match="is free"):
+        pool.cache(block, b"h")
+
+
+def test_the_first_holder_of_a_hash_wins():
+    pool = BlockPool(2)
+    first, second = pool.allocate(2)
+    pool.cache(first, b"h")
+    pool.cache(second, b"h")
+    assert pool.cached == {b"h": first} and second.block_hash is None
+
+
+def test_a_free_block_without_a_hash_cannot_be_touched():
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(AssertionError, match="uncached"):
+        pool.touch([block])
+
+
+def test_reset_prefix_cache_never_rehashes_blocks_in_tables():
+    kv = KVCacheManager(10, BS)
+    a = make_request("a", range(13))  # computed in chunks of 6, 3 and 4 tokens
+    assert kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    kv.cache_computed_blocks(a)
+    assert kv.pool.blocks[0].block_hash is not None
+    kv.reset_prefix_cache()
+    assert kv.allocate_slots(a, 3)
+    a.num_computed_tokens = 9  # blocks 0 and 1 full now, but both were in the table at the reset
+    kv.cache_computed_blocks(a)
+    assert not kv.pool.cached
+    assert kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 13  # block 2 (allocated after the reset) fills up and is hashed
+    kv.cache_computed_blocks(a)
+    assert list(kv.pool.cached.values()) == [kv.pool.blocks[2]]
+    kv.check_invariants([a])
+
+
+def test_a_freed_cached_block_is_rehashed_after_reuse():
+    kv = KVCacheManager(2, BS)
+    a = computed_request(kv, make_request("a", range(8)))
+    kv.free(a)
+    b = computed_request(kv, make_request("b", range(100, 108), arrival=1))  # evicts and reuses both
+    assert kv.block_ids("b") == [1, 0]
+    assert {block.block_id for block in kv.pool.cached.values()} == {0, 1}
+    assert kv.get_computed_blocks(make_request("c", range(9)))[1] == 0  # a's prefix is gone
+    kv.check_invariants([b])
+
+
+def test_check_invariants_catches_a_hash_past_the_hashed_count():
+    kv = KVCacheManager(4, BS)
+    a = make_request("a", range(8))
+    assert kv.allocate_slots(a, 8)
+    kv.pool.cache(kv.pool.blocks[1], b"behind the manager's back")
+    with pytest.raises(AssertionError, match="hash past its hashed count"):
+        kv.check_invariants([a])
+
+
+def test_a_shared_block_is_never_written():
+    kv = KVCacheManager(6, BS)
+    parent = make_request("p", range(8))
+    assert kv.allocate_slots(parent, 8)
+    parent.num_computed_tokens = 8
+    child = parent.fork(1)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 4  # pretend the child had not computed block 1: it would rewrite it
+    with pytest.raises(AssertionError, match="shared block"):
+        kv.allocate_slots(child, 1)
