@@ -32,7 +32,7 @@ from kserve.errors import InvalidInput, ModelNotReady
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_adapter import protocol
-from paged_runtime.engine.async_engine import AsyncEngine, RequestStream
+from paged_runtime.engine.client import EngineClient, RequestStream
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, collect
 from paged_runtime.outputs import RequestOutput
 
@@ -44,13 +44,13 @@ LOAD_GATE_ENV = "KSERVE_ADAPTER_LOAD_GATE"
 
 
 class PagedRuntimeModel(Model):
-    def __init__(self, name: str, served_model_names: Sequence[str], engine_factory: Callable[[], AsyncEngine]):
+    def __init__(self, name: str, served_model_names: Sequence[str], engine_factory: Callable[[], EngineClient]):
         """``engine_factory`` builds the engine (blocking; it runs in a worker thread)."""
         super().__init__(name)
         self.engine = True  # tells ModelServer to run start_engine() on its loop
         self.served_model_names = list(served_model_names)
         self.engine_factory = engine_factory
-        self.async_engine: AsyncEngine | None = None
+        self.async_engine: EngineClient | None = None
         self.serving: OpenAIServing | None = None  # the OpenAI routes' request checks, over this engine
         self._stopping = False
 
@@ -118,7 +118,7 @@ class PagedRuntimeModel(Model):
         raise InvalidInput(f"model {self.name} has no explainer; use :predict, /infer or the OpenAI routes")
 
     @staticmethod
-    async def _generate(engine: AsyncEngine, request_id: str, batch: list[protocol.Prepared]) -> list[RequestOutput]:
+    async def _generate(engine: EngineClient, request_id: str, batch: list[protocol.Prepared]) -> list[RequestOutput]:
         """Submit every prompt, or none (an overloaded engine refuses one: the others are aborted); then wait."""
         streams: list[RequestStream] = []
         try:

@@ -47,7 +47,7 @@ class OpenAIRoutes:
         if engine is None:
             return None
         self._app = build_app(engine, self.model.served_model_names, api_key=self.api_key,
-                              model_root=str(engine.engine.model_path), include_metrics=False)
+                              model_root=engine.model_root, include_metrics=False)
         return self._app
 
 

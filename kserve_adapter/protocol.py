@@ -31,11 +31,10 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated
 
 from kserve.errors import InvalidInput
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse, to_http_parameters
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from paged_runtime.engine.processor import ProcessedPrompt
 from paged_runtime.entrypoints.openai.errors import OpenAIError, from_validation_error
@@ -56,7 +55,7 @@ class PromptRequest(SamplingFields):
     """One prompt, one output: an OpenAI completion request's fields that apply on the KServe routes."""
     model_config = ConfigDict(extra="forbid")
     prompt: str | TokenIds
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: int | None = 16
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of the first field these routes cannot honour, or None (OpenAIServing.check_common)."""
@@ -69,7 +68,7 @@ class PromptRequest(SamplingFields):
 
 @dataclass(slots=True)
 class Prepared:
-    """A checked, tokenized prompt with its parameters: ready for ``AsyncEngine.add_request``."""
+    """A checked, tokenized prompt with its parameters: ready for ``EngineClient.add_request``."""
     prompt: ProcessedPrompt
     params: SamplingParams
     priority: int

@@ -22,7 +22,7 @@ from kserve.model_server import app as kserve_app
 from kserve_adapter.args import parse_args
 from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, mount_openai_routes
-from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
+from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
 from paged_runtime.entrypoints.cli import API_KEY_ENV, engine_config, make_engine
 
 logger = logging.getLogger("kserve_adapter")

@@ -1,7 +1,9 @@
 """Per-request sampling and stopping parameters (names and meaning as vLLM's).
 
-Validation happens at construction: a bad value raises ``ValueError`` whose
-message names the field, so the engine never sees an invalid request.
+Validation happens here, once, at construction: a bad value raises
+``ParameterError`` (a ``ValueError``) whose ``param`` names the field, so the
+engine never sees an invalid request and the HTTP layer never re-checks what
+this class checks.
 """
 from __future__ import annotations
 
@@ -9,6 +11,22 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI's cap for top_logprobs
 LOGIT_BIAS_LIMIT = 100.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+INVALID_VALUE = "invalid_value"  # OpenAI's error code for a value outside its field's domain
+
+
+class ParameterError(ValueError):
+    """A request parameter that cannot be served; ``param`` names the field as clients spell it.
+
+    ``code`` is ``"invalid_value"`` when the value alone is outside the field's domain (a negative
+    temperature), and None when it clashes with another field or with the server (best_of < n, a token
+    id beyond the vocabulary): the HTTP layer forwards both to the client as they are.
+    """
+
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass
@@ -50,30 +68,40 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.best_of >= self.n, f"best_of must be at least n ({self.n}), got {self.best_of}"),
-            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2,
+        # (param, holds, message): range checks first, so a value is judged before its clash with others.
+        in_range = [
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("best_of", self.best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
+            ("temperature", self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            ("repetition_penalty", self.repetition_penalty > 0,
+             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
+            ("stop", all(s for s in self.stop), "stop strings must be non-empty"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        consistent = [
+            ("best_of", self.best_of >= self.n, f"best_of must be at least n ({self.n}), got {self.best_of}"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+        ]
+        for code, checks in ((INVALID_VALUE, in_range), (None, consistent)):
+            for param, ok, message in checks:
+                if not ok:
+                    raise ParameterError(message, param, code)
 
     @property
     def greedy(self) -> bool:

@@ -60,19 +60,19 @@ class EngineReplica:
         from prometheus_client import CollectorRegistry
 
         from paged_runtime.engine.async_engine import AsyncEngine
+        from paged_runtime.engine.client import EngineClient
         from paged_runtime.metrics import LoggingStatLogger, PrometheusStatLogger
         self.args = parse_args(args)
         self.registry = CollectorRegistry()  # this replica's /metrics shows this replica's engine only
         loggers = [PrometheusStatLogger(self.args.served_model_names[0], self.registry), LoggingStatLogger()]
-        self.engine = AsyncEngine.from_config(self.args.engine_config(),
-                                              max_waiting_requests=self.args.max_waiting_requests,
-                                              stat_loggers=loggers)
+        self.engine: EngineClient = AsyncEngine.from_config(
+            self.args.engine_config(), max_waiting_requests=self.args.max_waiting_requests, stat_loggers=loggers)
 
     @cached_property
     def asgi_app(self):
         from paged_runtime.entrypoints.openai import build_app
         return build_app(self.engine, self.args.served_model_names, api_key=self.args.api_key,
-                         registry=self.registry, model_root=str(self.engine.engine.model_path))
+                         registry=self.registry, model_root=self.engine.model_root)
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app
@@ -94,10 +94,7 @@ class EngineReplica:
         if "max_num_seqs" in config:
             self.engine.set_max_num_seqs(int(config["max_num_seqs"]))
         if "max_waiting_requests" in config:
-            limit = config["max_waiting_requests"]
-            if limit is not None and int(limit) < 1:
-                raise ValueError(f"max_waiting_requests must be at least 1 or null, got {limit}")
-            self.engine.max_waiting_requests = None if limit is None else int(limit)
+            self.engine.set_max_waiting_requests(config["max_waiting_requests"])
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats

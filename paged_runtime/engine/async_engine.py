@@ -1,5 +1,8 @@
 """The asynchronous engine: the step loop on its own thread, outputs through per-request asyncio queues.
 
+``AsyncEngine`` implements ``EngineClient`` (``client.py``), the API every front end uses; it reaches
+its ``LLMEngine`` only through that engine's declared methods (``step``, ``stats``, ``reconfigure``, ...).
+
 Threading contract
     ``LLMEngine`` is not thread-safe, so only the step-loop thread touches it
     (build, add, abort, step). Callers, from any event loop, hand work over through
@@ -9,7 +12,7 @@ Threading contract
     so an idle server burns no CPU and an event loop never waits on a step.
 
     Callers tokenize on their side with a private copy of the tokenizer
-    (``self.tokenizer`` / ``self.processor``): a Hugging Face fast tokenizer
+    (``self.tokenizer`` / ``self.process``): a Hugging Face fast tokenizer
     must not be used from two threads at once, and the loop thread uses the
     engine's own copy for detokenization.
 
@@ -36,6 +39,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from paged_runtime.config import EngineConfig
+from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, EngineStats
+from paged_runtime.engine.core import CoreStats
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
@@ -45,31 +50,11 @@ from paged_runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; retry after ``retry_after`` seconds. Admitted requests are unaffected."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped (a step raised, or the engine was shut down); the engine cannot serve."""
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot for health checks, autoscalers and routers (taken after each pass of the loop)."""
-    num_running: int = 0
-    num_waiting: int = 0  # in the scheduler's queue plus handed over but not yet added
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0  # since start
-    num_prefix_queries: int = 0  # tokens, since start
-    num_prefix_hits: int = 0
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats", "RequestStream"]
 
 
 class RequestStream:
-    """The outputs of one request, in order; iteration ends after the finished output.
+    """The outputs of one request, in order; iteration ends after the finished output (``client.RequestStream``).
 
     Filled by the loop thread (``put``), drained by one consumer on ``loop``.
     Leaving the iteration early, or calling ``abort()``, aborts the request.
@@ -151,9 +136,7 @@ class AsyncEngine:
         """Starts the loop thread and returns once the engine is ready; an engine that fails to build
         raises here. ``stats_flush_interval``: after activity stops, the loop wakes once this much later
         so the stat loggers see the idle state (a log line's last interval) without a timer of their own."""
-        if max_waiting_requests is not None and max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
-        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_requests = _checked_waiting_limit(max_waiting_requests)
         self.stat_loggers = list(stat_loggers)
         self.stats_flush_interval = stats_flush_interval
         self.stats = EngineStats()
@@ -164,6 +147,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # every request with a live stream; guarded by _cond
         self._stopping = False
         self._max_num_seqs_target: int | None = None  # a live change not yet fully applied; guarded by _cond
+        self._reset_prefix_cache = False  # asked for, not yet done; guarded by _cond
         self._busy = False  # the engine has unfinished requests; read and written by the loop thread only
         self._unflushed = False  # the last pass did work; the loggers get one idle pass later (loop thread only)
         # Backpressure counts, guarded by _cond: the scheduler's queue as of the last look, and requests
@@ -195,14 +179,27 @@ class AsyncEngine:
         self._run()
 
     def _attach(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.engine = engine  # the loop thread's alone (see the threading contract)
         self.config: EngineConfig = engine.config
         self.max_model_len = engine.max_model_len
+        self.model_root = engine.model_root
         self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.processor = Processor(self.tokenizer, engine.max_model_len, engine.processor.vocab_size,
-                                   engine.processor.max_num_seqs)
-        self._counters = self._engine_counters()
-        self._spec_counters = self._spec_totals()
+        self._processor = Processor(self.tokenizer, engine.max_model_len, engine.vocab_size, engine.max_num_seqs)
+        self._totals = engine.stats()  # counters as of the last pass; each pass reports the difference
+
+    # ---- the model, as callers see it -------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The batch limit new requests' n / best_of are checked against (changed by ``set_max_num_seqs``)."""
+        return self._processor.max_num_seqs
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate on the caller's side (its own tokenizer copy); raises ``ParameterError``."""
+        return self._processor.process(prompt, params)
 
     # ---- the caller's side (any event loop) -----------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
@@ -213,7 +210,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         self._check_alive()
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt, params)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt, params)
         with self._cond:
             self._check_alive()
             if request_id in self._tracked:
@@ -266,9 +263,19 @@ class AsyncEngine:
         """
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
-        self.processor.max_num_seqs = max_num_seqs  # new requests' n / best_of are checked against it at once
+        self._processor.max_num_seqs = max_num_seqs  # new requests' n / best_of are checked against it at once
         with self._cond:
             self._max_num_seqs_target = max_num_seqs
+            self._cond.notify()
+
+    def set_max_waiting_requests(self, limit: int | None) -> None:
+        """Change the waiting-queue bound live (None: unbounded); requests already queued stay queued."""
+        self.max_waiting_requests = _checked_waiting_limit(limit)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix before the next step (blocks in use keep their KV); safe from any thread."""
+        with self._cond:
+            self._reset_prefix_cache = True
             self._cond.notify()
 
     @property
@@ -303,15 +310,18 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._busy
-                           or self._max_num_seqs_target is not None):
+                           or self._max_num_seqs_target is not None or self._reset_prefix_cache):
                     if not self._cond.wait(self.stats_flush_interval if self._unflushed else None):
                         break  # idle for a whole interval after activity: one empty pass flushes the loggers
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
+                reset, self._reset_prefix_cache = self._reset_prefix_cache, False
                 self._num_adding = len(inbox)
             try:
+                if reset:
+                    self.engine.reset_prefix_cache()
                 self._pass(inbox, aborts)
             except Exception as e:  # a bug or a device error: fail everyone rather than hang them
                 logger.exception("engine step failed; the engine is now unhealthy")
@@ -343,16 +353,13 @@ class AsyncEngine:
             target = self._max_num_seqs_target
         if target is None:
             return
-        scheduler = self.engine.core.scheduler
-        scheduler.max_num_seqs = max(target, scheduler.num_running)
-        self.engine.processor.max_num_seqs = target
-        if scheduler.max_num_seqs == target:
+        if self.engine.reconfigure(max_num_seqs=target):
             with self._cond:
                 if self._max_num_seqs_target == target:  # not replaced by a newer call meanwhile
                     self._max_num_seqs_target = None
 
     def _update_waiting(self) -> None:
-        num_waiting = self.engine.core.scheduler.num_waiting
+        num_waiting = self.engine.num_waiting_requests
         with self._cond:
             self._num_waiting, self._num_adding = num_waiting, 0
 
@@ -380,14 +387,10 @@ class AsyncEngine:
 
     def _mark_scheduled(self, step_start: float, stats: IterationStats) -> None:
         """Queue time ends at the start of the first step that computed any of the request's tokens."""
-        scheduler = self.engine.core.scheduler
-        requests = getattr(scheduler, "requests", None)
         with self._cond:
             pending = [(rid, t) for rid, t in self._tracked.items() if t.scheduled_at is None]
         for request_id, tracked in pending:
-            request = requests.get(request_id) if requests is not None else None
-            # Gone from the scheduler (finished in this step) or has computed tokens: it was scheduled.
-            if request is None or getattr(request, "num_computed_tokens", 0) > 0:
+            if self.engine.is_scheduled(request_id):
                 tracked.scheduled_at = step_start
                 stats.queue_times.append(max(0.0, step_start - tracked.arrival))
 
@@ -422,30 +425,13 @@ class AsyncEngine:
             stats.finished.append(FinishedRequestStats(reason, stats.now - tracked.arrival,
                                                        tracked.num_prompt_tokens, tracked.num_generation_tokens))
 
-    def _engine_counters(self) -> tuple[int, int, int]:
-        kv = self.engine.core.kv_cache
-        return self.engine.core.scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens
-
-    def _spec_totals(self) -> tuple[int, int, int, list[int]]:
-        spec = self.engine.core.spec_stats
-        return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position)
-
-    def _spec_stats_since_last(self, stats: IterationStats) -> None:
-        now, before = self._spec_totals(), self._spec_counters
-        stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens = (
-            a - b for a, b in zip(now[:3], before[:3]))
-        stats.spec_accepted_per_position = [a - b for a, b in zip(now[3], before[3])]
-        self._spec_counters = now
-
     def _finish_stats(self, stats: IterationStats) -> None:
-        scheduler, kv = self.engine.core.scheduler, self.engine.core.kv_cache
-        stats.num_running, stats.num_waiting, stats.kv_cache_usage = scheduler.num_running, scheduler.num_waiting, kv.usage()
-        counters = self._engine_counters()
-        stats.num_preemptions, stats.num_prefix_queries, stats.num_prefix_hits = (
-            now - before for now, before in zip(counters, self._counters))
-        self._counters = counters
-        self._spec_stats_since_last(stats)
-        self.stats = EngineStats(stats.num_running, stats.num_waiting, stats.kv_cache_usage, *counters)
+        """Gauges from the engine's snapshot after this pass, counters as the difference from the last one."""
+        now, before = self.engine.stats(), self._totals
+        self._totals = now
+        _since(stats, now, before)
+        self.stats = EngineStats(now.num_running, now.num_waiting, now.kv_cache_usage, now.num_preemptions,
+                                 now.num_prefix_queries, now.num_prefix_hits)
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(stats)
@@ -466,6 +452,25 @@ class AsyncEngine:
             self._finish_stats(IterationStats(time.monotonic(), 0, 0, 0.0))
         except Exception:
             logger.debug("could not abort requests after the engine failed", exc_info=True)
+
+
+def _since(stats: IterationStats, now: CoreStats, before: CoreStats) -> None:
+    stats.num_running, stats.num_waiting, stats.kv_cache_usage = now.num_running, now.num_waiting, now.kv_cache_usage
+    stats.num_preemptions = now.num_preemptions - before.num_preemptions
+    stats.num_prefix_queries = now.num_prefix_queries - before.num_prefix_queries
+    stats.num_prefix_hits = now.num_prefix_hits - before.num_prefix_hits
+    spec, spec_before = now.spec, before.spec
+    stats.num_spec_drafts = spec.num_drafts - spec_before.num_drafts
+    stats.num_spec_draft_tokens = spec.num_draft_tokens - spec_before.num_draft_tokens
+    stats.num_spec_accepted_tokens = spec.num_accepted_tokens - spec_before.num_accepted_tokens
+    stats.spec_accepted_per_position = [a - b for a, b in zip(spec.accepted_per_position,
+                                                              spec_before.accepted_per_position)]
+
+
+def _checked_waiting_limit(limit: int | None) -> int | None:
+    if limit is not None and int(limit) < 1:
+        raise ValueError(f"max_waiting_requests must be at least 1 or None, got {limit}")
+    return None if limit is None else int(limit)
 
 
 def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:

@@ -37,13 +37,15 @@ class StepUpdate:
 
 
 @dataclass(slots=True)
-class StepStats:
-    num_scheduled_tokens: int
+class CoreStats:
+    """The core as it stands: gauges as of now, counters cumulative since start-up (readers take deltas)."""
     num_running: int
     num_waiting: int
-    num_preempted: int
-    kv_usage: float
-    num_token_slots_used: int  # tokens whose KV is held across running requests (after the step)
+    kv_cache_usage: float  # 0..1, blocks held by requests
+    num_preemptions: int
+    num_prefix_queries: int  # tokens looked up in the prefix cache
+    num_prefix_hits: int  # tokens found there
+    spec: SpecDecodeStats  # a copy: the core goes on counting into its own
 
 
 @dataclass(slots=True)
@@ -60,6 +62,10 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
 
 
 class EngineCore:
@@ -85,7 +91,6 @@ class EngineCore:
                                                                                  self.max_model_len)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
                                   drafter, graphs)
-        self.last_stats: StepStats | None = None
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
                     model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
@@ -125,18 +130,23 @@ class EngineCore:
                 updates.append(StepUpdate(item.request, None, None, prompt_logprobs))
             updates += [StepUpdate(item.request, token_id, logprobs[i] if logprobs else None, None)
                         for i, token_id in enumerate(tokens)]
-        self.last_stats = self._stats(out, result.token_ids)
+        self._record_spec(out, result.token_ids)
         if self.config.debug_checks:
             self.scheduler.check_invariants()
         return updates
 
-    def _stats(self, out: SchedulerOutput, sampled: list[list[int]]) -> StepStats:
+    def stats(self) -> CoreStats:
+        """A snapshot, taken on demand (after a step, an add or an abort) rather than every step for nobody."""
+        kv = self.kv_cache
+        return CoreStats(self.scheduler.num_running, self.scheduler.num_waiting, kv.usage(),
+                         self.scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens,
+                         self.spec_stats.copy())
+
+    def _record_spec(self, out: SchedulerOutput, sampled: list[list[int]]) -> None:
+        # Only the step knows how many drafts each verification accepted: count them as they happen.
         for item, tokens in zip(out.scheduled, sampled):
             if item.num_spec:
                 self.spec_stats.record(item.num_spec, len(tokens) - 1)
-        return StepStats(out.num_batched_tokens, self.scheduler.num_running, self.scheduler.num_waiting,
-                         out.num_preempted, self.kv_cache.usage(),
-                         sum(r.num_computed_tokens for r in self.scheduler.running))
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

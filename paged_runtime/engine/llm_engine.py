@@ -5,6 +5,13 @@ on the way in and, on the way out, per-sequence incremental detokenization,
 stop strings (a stop string ends its sequence in the step it appears) and
 logprobs. A request with n / best_of > 1 is one group of sequences; its
 output is finished when all of them are, and then holds the n best.
+
+Declared API (what ``LLM`` and ``AsyncEngine`` use): ``config``, ``tokenizer``,
+``max_model_len``, ``model_root``, ``vocab_size``, ``max_num_seqs``,
+``process``, ``add_request``, ``abort_request``, ``step``,
+``has_unfinished_requests``, ``is_scheduled``, ``stats``, ``reconfigure``,
+``reset_prefix_cache`` and ``beam_search``. ``core`` stays reachable for
+tests and benchmarks that inspect the scheduler; front ends never use it.
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from paged_runtime.config import EngineConfig
-from paged_runtime.engine.core import EngineCore, StepUpdate
+from paged_runtime.engine.beam_search import BeamSearchDriver, BeamSearchParams, BeamSearchSequence
+from paged_runtime.engine.core import CoreStats, EngineCore, StepUpdate
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.models.config import ModelConfig
@@ -59,8 +67,8 @@ class LLMEngine:
         self.core = EngineCore(config, self.model_path, model_config)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.max_model_len = self.core.max_model_len
-        self.processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
-                                   config.max_num_seqs)
+        self._processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
+                                    config.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
         self.states: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
@@ -68,10 +76,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request; a prompt already validated by ``self.processor`` is taken as it is."""
+        """Queue a request; a prompt already validated by ``process`` is taken as it is."""
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt, params)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt, params)
         request = Request(request_id, processed.token_ids, params, next(self._arrivals), processed.max_tokens,
                           self.eos_token_ids, processed.prompt, priority, cache_salt)
         self.core.add_request(request)
@@ -87,6 +95,61 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    # ---- what the front ends may ask besides adding and stepping ----------------------
+    @property
+    def model_root(self) -> str:
+        """The resolved model folder (what /v1/models reports as ``root``)."""
+        return str(self.model_path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The batch limit new requests' n / best_of are checked against (see ``reconfigure``)."""
+        return self._processor.max_num_seqs
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate a prompt against this engine; raises ``ParameterError`` naming the field."""
+        return self._processor.process(prompt, params)
+
+    def is_scheduled(self, request_id: str) -> bool:
+        """True once the request has computed any token, or has left the engine (finished in a step)."""
+        request = self.core.scheduler.requests.get(request_id)
+        return request is None or request.num_computed_tokens > 0
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return self.core.scheduler.num_waiting
+
+    def stats(self) -> CoreStats:
+        """Where the engine stands: gauges now, counters since start-up (taken on demand, not every step)."""
+        return self.core.stats()
+
+    def reconfigure(self, *, max_num_seqs: int) -> bool:
+        """Move the batch limit to ``max_num_seqs``; True once fully applied, False to call again after a step.
+
+        New requests are checked against it at once. The scheduler's limit never drops below the requests
+        running now, so lowering it preempts nobody: it follows them down as they finish.
+        """
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        self._processor.max_num_seqs = max_num_seqs
+        scheduler = self.core.scheduler
+        scheduler.max_num_seqs = max(max_num_seqs, scheduler.num_running)
+        return scheduler.max_num_seqs == max_num_seqs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their KV)."""
+        self.core.reset_prefix_cache()
+
+    def beam_search(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
+        """Beam search over token-id prompts (beams are forks inside the core); needs an idle engine."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine")
+        return BeamSearchDriver(self.core, self.eos_token_ids).run(prompts, params)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; an output for every request that moved (finished ones included)."""

@@ -1,13 +1,15 @@
 """Turns a user prompt and its parameters into a validated token-level request.
 
-Everything a client can get wrong is caught here with a ``ValueError`` that
-names the problem, before the request reaches the scheduler.
+``SamplingParams`` validates itself; what depends on this engine (its vocabulary,
+context length and batch limit) and the prompt are checked here. Everything a
+client can get wrong raises ``ParameterError`` with the field in ``param``,
+before the request reaches the scheduler.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.sampling_params import ParameterError, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -27,27 +29,33 @@ class Processor:
         self.max_num_seqs = max_num_seqs
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """The prompt's token ids and its output budget (max_tokens clamped to the room left in the context)."""
         self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
+            raise ParameterError("prompt is empty: it must contain at least one token", "prompt")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.vocab_size}")
+            raise ParameterError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.vocab_size}",
+                                 "prompt")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens long, but max_model_len is "
-                             f"{self.max_model_len} (prompt plus at least one output token must fit)")
+            raise ParameterError(f"prompt is {len(token_ids)} tokens long, but max_model_len is "
+                                 f"{self.max_model_len} (prompt plus at least one output token must fit)", "prompt")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedPrompt(text, token_ids, max_tokens)
 
     def _check_params(self, params: SamplingParams) -> None:
-        if params.best_of > self.max_num_seqs:
-            raise ValueError(f"best_of ({params.best_of}) must not exceed max_num_seqs ({self.max_num_seqs})")
+        # n first: best_of defaults to n, and the client should hear about the field it actually sent.
+        for name, value in (("n", params.n), ("best_of", params.best_of)):
+            if value > self.max_num_seqs:
+                raise ParameterError(f"{name} ({value}) must not exceed this server's max_num_seqs "
+                                     f"({self.max_num_seqs})", name)
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"{name} token id {bad[0]} is out of range for vocabulary size {self.vocab_size}")
+                raise ParameterError(f"{name} token id {bad[0]} is out of range for vocabulary size "
+                                     f"{self.vocab_size}", name)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -57,13 +65,14 @@ class Processor:
                 return prompt.get("prompt"), self._as_ids(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids'")
+            raise ParameterError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, list):
             return None, self._as_ids(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+        raise ParameterError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}",
+                             "prompt")
 
     @staticmethod
     def _as_ids(ids) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise ParameterError("prompt_token_ids must be a list of integers", "prompt")
         return list(ids)

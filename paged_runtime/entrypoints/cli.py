@@ -137,7 +137,7 @@ def serve_http(engine, args: argparse.Namespace) -> None:
     from paged_runtime.entrypoints.openai import build_app
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = served_model_names(args)
-    app = build_app(engine, names, api_key=api_key, model_root=str(engine.engine.model_path))
+    app = build_app(engine, names, api_key=api_key, model_root=engine.model_root)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d%s)", ", ".join(names), args.host, args.port,
                 engine.max_model_len, ", API key required" if api_key else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

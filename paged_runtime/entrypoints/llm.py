@@ -1,4 +1,4 @@
-"""Offline batch inference with vLLM's ``LLM`` interface."""
+"""Offline batch inference with vLLM's ``LLM`` interface, over ``LLMEngine``'s declared methods only."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from paged_runtime.config import EngineConfig
-from paged_runtime.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
+from paged_runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import PromptType
 from paged_runtime.outputs import RequestOutput
@@ -26,7 +26,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their KV)."""
-        self.engine.core.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -43,11 +43,9 @@ class LLM:
 
     def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search with transformers' semantics; beams are forks inside the engine."""
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("beam_search needs an idle engine")
         greedy = SamplingParams(temperature=0)
-        token_ids = [self.engine.processor.process(p, greedy).token_ids for p in prompts]
-        results = BeamSearchDriver(self.engine.core, self.engine.eos_token_ids).run(token_ids, params)
+        token_ids = [self.engine.process(p, greedy).token_ids for p in prompts]
+        results = self.engine.beam_search(token_ids, params)
         for sequences in results:
             for sequence in sequences:
                 sequence.text = self.engine.tokenizer.decode(sequence.tokens, skip_special_tokens=True)
@@ -72,7 +70,7 @@ class LLM:
 
     def _run(self, work: list[tuple[PromptType, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
         # Validate everything first so a bad prompt leaves nothing half-submitted.
-        processed = [self.engine.processor.process(p, sp) for p, sp, _ in work]
+        processed = [self.engine.process(p, sp) for p, sp, _ in work]
         request_ids = [f"llm-{next(self._ids)}" for _ in work]
         for request_id, prompt, (_, params, priority) in zip(request_ids, processed, work):
             self.engine.add_request(request_id, prompt, params, priority)

@@ -11,6 +11,8 @@ from conftest import assert_idle
 from paged_runtime import SamplingParams
 from paged_runtime.config import EngineConfig
 from paged_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from paged_runtime.engine.client import EngineClient
+from paged_runtime.sampling_params import ParameterError
 
 from .conftest import fail_on_step
 
@@ -116,10 +118,14 @@ def test_explicit_abort_ends_stream_with_abort(engine):
 
 def test_invalid_request_raises_before_queueing(engine):
     async def run():
-        with pytest.raises(ValueError, match="max_model_len is 256"):
+        with pytest.raises(ParameterError, match="max_model_len is 256") as info:
             engine.add_request("long", [5] * 300, greedy())
-        with pytest.raises(ValueError, match="empty"):
+        assert info.value.param == "prompt"
+        with pytest.raises(ParameterError, match="empty"):
             engine.add_request("empty", [], greedy())
+        with pytest.raises(ParameterError, match="max_num_seqs") as info:
+            engine.add_request("wide", PROMPT, SamplingParams(n=engine.max_num_seqs + 1))
+        assert info.value.param == "n"
         stream = engine.add_request("dup", PROMPT, greedy(50))
         with pytest.raises(ValueError, match="already in use"):
             engine.add_request("dup", PROMPT, greedy())
@@ -265,7 +271,7 @@ def test_speculative_decoding_streams_several_tokens_a_step_and_counts_them(tiny
     try:
         outputs = asyncio.run(run())
         asyncio.run(wait_idle(engine))
-        spec = engine.engine.core.spec_stats
+        spec = engine.engine.stats().spec
     finally:
         engine.shutdown()
     expected = tiny_llm.generate([PROMPT], greedy(max_tokens=21), use_tqdm=False)[0].outputs[0]
@@ -275,3 +281,28 @@ def test_speculative_decoding_streams_several_tokens_a_step_and_counts_them(tiny
     assert (recorder.drafts, recorder.draft_tokens, recorder.accepted, recorder.per_position) == (
         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.accepted_per_position) == (
         5, 15, 15, [5, 5, 5])
+
+
+def test_declared_client_api(engine, tiny_llama_dir):
+    """What the routes and adapters use: the model's facts, caller-side processing, a prefix-cache reset."""
+    assert isinstance(engine, EngineClient)
+    assert engine.model_root == str(tiny_llama_dir) and engine.max_model_len == 256
+    assert engine.process([5, 6, 7], greedy(10)).max_tokens == 10
+    with pytest.raises(ParameterError) as info:
+        engine.process([engine.vocab_size], greedy())
+    assert info.value.param == "prompt" and info.value.code is None
+    prompt = list(range(5, 45))  # two full blocks of 16 tokens, cached once finished
+
+    async def run_once() -> int:
+        async for _ in engine.generate(prompt, greedy(2)):
+            pass
+        await wait_idle(engine)
+        return engine.stats.num_prefix_hits
+
+    async def scenario() -> list[int]:
+        hits = [await run_once(), await run_once()]
+        engine.reset_prefix_cache()
+        return hits + [await run_once()]
+
+    first, second, after_reset = asyncio.run(scenario())
+    assert first == 0 and second == 32 and after_reset == second

@@ -293,6 +293,10 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "priority": 5}, 400, "priority", None),
     ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens", None),
+    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),  # OpenAI's cap
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {"model": TINY_NAME}, 400, "messages", "missing_required_parameter"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
@@ -307,6 +311,11 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400,
      "messages[0].role", None),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
+    # SamplingParams' logprobs and max_tokens, named as the chat request spells them
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "invalid_value"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 600}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, 400,
      "chat_template_kwargs", None),

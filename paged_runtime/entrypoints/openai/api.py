@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from paged_runtime.engine.async_engine import AsyncEngine
+from paged_runtime.engine.client import EngineClient
 from paged_runtime.entrypoints.openai.errors import OpenAIError, bad_request, from_exception, parse_json, unauthorized
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                        TokenizeRequest)
@@ -132,13 +132,13 @@ def api_key_checker(api_key: str | None) -> Callable[[Request], None]:
     return check
 
 
-def default_served_model_names(engine: AsyncEngine) -> list[str]:
+def default_served_model_names(engine: EngineClient) -> list[str]:
     """The config's served_model_name, else the model path as given, else the embedded default's name."""
     from paged_runtime.models.default_model import DEFAULT_MODEL_NAME
     return [engine.config.served_model_name or engine.config.model or DEFAULT_MODEL_NAME]
 
 
-def build_router(engine: AsyncEngine, served_model_names: Sequence[str] | None = None, *,
+def build_router(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
                  api_key: str | None = None, registry: CollectorRegistry | None = None,
                  model_root: str | None = None, include_metrics: bool = True) -> APIRouter:
     """All routes over ``engine``. ``registry`` is what /metrics shows (default: the global REGISTRY);
@@ -148,7 +148,7 @@ def build_router(engine: AsyncEngine, served_model_names: Sequence[str] | None =
     completions = CompletionServing(engine, served_model_names)
     chat = ChatServing(engine, served_model_names)
     created = int(time.time())
-    root = model_root or str(engine.engine.model_path)
+    root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
     auth = [Depends(api_key_checker(api_key))]
 
@@ -222,14 +222,14 @@ def _tokenize(serving: ChatServing, req: TokenizeRequest) -> dict:
 
 def _detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict:
     serving.resolve_model(req.model)
-    vocab_size = serving.engine.processor.vocab_size
+    vocab_size = serving.engine.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is out of range for vocabulary size {vocab_size}", param="tokens")
     return {"prompt": serving.engine.tokenizer.decode(req.tokens)}
 
 
-def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = None, *, api_key: str | None = None,
+def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = None, *, api_key: str | None = None,
               registry: CollectorRegistry | None = None, model_root: str | None = None,
               include_metrics: bool = True) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down)."""

@@ -13,7 +13,8 @@ import logging
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
+from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
+from paged_runtime.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,17 @@ def from_exception(e: BaseException) -> OpenAIError:
                            headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), type="server_error", code="engine_unavailable")
+    if isinstance(e, ParameterError):
+        return from_parameter_error(e)
     if isinstance(e, ValueError):
-        return bad_request(str(e), param=param_of_message(str(e)))
+        return bad_request(str(e))
     logger.error("unexpected error while serving a request", exc_info=e)
     return OpenAIError(500, f"internal server error: {type(e).__name__}", type="server_error")
+
+
+def from_parameter_error(e: ParameterError, param: str | None = None) -> OpenAIError:
+    """A 400 naming ``e``'s field, or ``param`` where the route spells that field differently."""
+    return bad_request(str(e), param=param or e.param, code=e.code)
 
 
 def from_validation_error(e: ValidationError) -> OpenAIError:
@@ -99,17 +107,3 @@ def parse_json(body: bytes) -> object:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from e
 
-
-# Messages from SamplingParams / Processor start with the field they are about.
-_KNOWN_PARAMS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "max_tokens", "min_tokens", "stop", "logprobs", "prompt_logprobs",
-                 "logit_bias", "stop_token_ids", "prompt", "seed")
-
-
-def param_of_message(message: str) -> str | None:
-    first = message.split(" ", 1)[0].rstrip(":,")
-    if first in _KNOWN_PARAMS:
-        return first
-    if first == "prompt_token_ids":
-        return "prompt"
-    return None

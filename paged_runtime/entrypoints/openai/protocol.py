@@ -1,4 +1,9 @@
-"""Request bodies of the OpenAI routes (OpenAI's fields plus vLLM's extras), validated by pydantic.
+"""Request bodies of the OpenAI routes (OpenAI's fields plus vLLM's extras), parsed by pydantic.
+
+The schema checks types and OpenAI's own limits that are stricter than the
+runtime's (``n`` and ``best_of`` up to 128, ``temperature`` up to 2, logit
+bias values within 100); every other range is ``SamplingParams``'s, checked
+once when the routes build it, so no rule lives in two places.
 
 Fields OpenAI defines but this runtime cannot honour (tools, JSON output,
 audio, ...) are accepted by the parser and refused by ``unsupported()`` with
@@ -11,11 +16,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from paged_runtime.sampling_params import MAX_LOGPROBS
+from paged_runtime.sampling_params import LOGIT_BIAS_LIMIT
 
 TokenIds = list[StrictInt]
 MAX_N = 128  # OpenAI's limit for n
-SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_TEMPERATURE = 2.0  # OpenAI's; the runtime itself takes any non-negative temperature
 
 
 class OpenAIModel(BaseModel):
@@ -30,23 +35,24 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """What /v1/completions and /v1/chat/completions share: OpenAI's sampling fields and vLLM's extras."""
     model: str | None = None  # optional, as in vLLM: the served model when absent
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: Annotated[int, Field(**SEED_RANGE)] | None = None
+    n: Annotated[int, Field(le=MAX_N)] = 1
+    temperature: Annotated[float, Field(le=MAX_TEMPERATURE)] | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # The runtime clamps a bias to the limit; OpenAI refuses one beyond it.
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: int = 0
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -72,10 +78,10 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    max_tokens: int | None = 16
+    best_of: Annotated[int, Field(le=MAX_N)] | None = None
     echo: bool | None = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -105,10 +111,10 @@ class ResponseFormat(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -2,6 +2,10 @@
 
 Everything that can be wrong with a request is found before the first
 request reaches the engine, so a 4xx never leaves half a request running.
+The routes check only what is theirs (unsupported fields, route-specific
+combinations, the context length as OpenAI words it); ``SamplingParams`` and
+``EngineClient.process`` check the rest, and their ``ParameterError`` names
+the field.
 """
 from __future__ import annotations
 
@@ -12,12 +16,12 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from paged_runtime.engine.async_engine import AsyncEngine, RequestStream
+from paged_runtime.engine.client import EngineClient, RequestStream
 from paged_runtime.engine.processor import ProcessedPrompt, PromptType
-from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, model_not_found, param_of_message
+from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
 from paged_runtime.outputs import Logprob, RequestOutput
-from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.sampling_params import ParameterError, SamplingParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
 
@@ -25,7 +29,7 @@ MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
 class OpenAIServing:
     """Holds the engine and the served model names; subclasses implement one route each."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, served_model_names: Sequence[str]) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
@@ -46,16 +50,18 @@ class OpenAIServing:
             raise bad_request(unsupported[1], param=unsupported[0], code="unsupported_parameter")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        max_num_seqs = self.engine.processor.max_num_seqs
-        if req.n > max_num_seqs:
-            raise bad_request(f"n ({req.n}) must not exceed this server's max_num_seqs ({max_num_seqs})", param="n")
         if req.priority != 0 and self.engine.config.scheduling_policy != "priority":
             raise bad_request("priority is only honoured with --scheduling-policy priority; this server uses "
                               f"{self.engine.config.scheduling_policy!r}", param="priority")
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, *,
-                        best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams from the request; a value SamplingParams rejects is a 400 naming its field."""
+                        best_of: int | None = None, prompt_logprobs: int | None = None,
+                        fields: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams from the request; a value SamplingParams rejects is a 400 naming its field.
+
+        ``fields``: the request's name for a SamplingParams field where the route spells it differently
+        (chat's ``top_logprobs`` is ``logprobs``), so the error names what the client sent.
+        """
         try:
             return SamplingParams(
                 n=req.n, best_of=best_of, temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
@@ -69,16 +75,15 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens)
-        except ValueError as e:
-            raise bad_request(str(e), param=param_of_message(str(e))) from e
+        except ParameterError as e:
+            raise from_parameter_error(e, (fields or {}).get(e.param)) from e
 
     def process(self, prompt: PromptType, params: SamplingParams, prompt_param: str) -> ProcessedPrompt:
         """Tokenize and validate one prompt; prompt + max_tokens beyond the context is a 400 naming both."""
         try:
-            processed = self.engine.processor.process(prompt, params)
-        except ValueError as e:
-            param = param_of_message(str(e))
-            raise bad_request(str(e), param=prompt_param if param in (None, "prompt") else param) from e
+            processed = self.engine.process(prompt, params)
+        except ParameterError as e:
+            raise from_parameter_error(e, prompt_param if e.param == "prompt" else None) from e
         num_prompt, limit = len(processed.token_ids), self.engine.max_model_len
         if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
             where = "messages" if prompt_param == "messages" else "prompt"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from paged_runtime.engine.async_engine import RequestStream
+from paged_runtime.engine.client import RequestStream
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
@@ -32,7 +32,9 @@ class ChatServing(OpenAIServing):
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs)
+        fields = {"logprobs": "top_logprobs",
+                  "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+        params = self.sampling_params(req, max_tokens, logprobs, fields=fields)
         text, token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                       req.chat_template_kwargs)
         processed = self.process({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")

@@ -1,0 +1,138 @@
+"""The declared engine API: all that the OpenAI routes, the CLI and the KServe and Ray Serve adapters use.
+
+``EngineClient`` is a structural protocol (``AsyncEngine`` implements it); a front end that holds one
+reaches nothing else, so the engine's insides (``LLMEngine``, its core, scheduler and processor) can
+change without touching a route or an adapter. The types a caller meets on the way (the output
+stream, the stats snapshot, the two engine errors) are declared here too, and nothing here imports
+torch.
+
+Threading: every member may be used from any thread. ``add_request`` and ``generate`` bind the running
+event loop (call them from a coroutine). ``tokenizer`` and ``process`` are the caller's side's own
+(a Hugging Face fast tokenizer must not be used from two threads at once; the engine detokenizes with
+another copy), so tokenizing or validating ahead never waits on a step.
+
+Errors: a client's mistake raises ``ParameterError`` (a ``ValueError`` naming the field in ``param``)
+from ``process`` / ``add_request``; a full waiting queue ``EngineOverloadedError``; an engine that
+cannot serve ``EngineDeadError``.
+
+``LLM`` (offline, synchronous) uses ``LLMEngine``'s declared methods instead: there is no event loop to
+hand outputs to, and no second thread to hand work over to.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from paged_runtime.config import EngineConfig
+    from paged_runtime.engine.processor import ProcessedPrompt, PromptType
+    from paged_runtime.outputs import RequestOutput
+    from paged_runtime.sampling_params import SamplingParams
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry after ``retry_after`` seconds. Admitted requests are unaffected."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped (a step raised, or the engine was shut down); the engine cannot serve."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for health checks, autoscalers and routers (taken after each pass of the step loop)."""
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # since start
+    num_prefix_queries: int = 0  # tokens, since start
+    num_prefix_hits: int = 0
+
+
+class RequestStream(Protocol):
+    """The outputs of one request, in order; iteration ends after the output with ``finished`` set.
+
+    Leaving the iteration early, or calling ``abort()``, aborts the request (idempotent, any thread).
+    """
+    request_id: str
+    finished: bool
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a front end may ask of an engine (see the module docstring for threads and errors)."""
+
+    # ---- the model ---------------------------------------------------------------------------
+    config: EngineConfig  # as built: model, served_model_name, scheduling_policy, ...
+    max_model_len: int
+    tokenizer: object  # the caller's side's own copy (chat templates, /tokenize, /detokenize)
+
+    @property
+    def model_root(self) -> str:
+        """The resolved model folder (what /v1/models reports as ``root``)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The batch limit that requests' n / best_of are checked against now."""
+        ...
+
+    # ---- requests ----------------------------------------------------------------------------
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate ahead of ``add_request`` (raises ``ParameterError``); never waits on a step."""
+        ...
+
+    def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Queue a request and return its stream, or raise before anything is queued."""
+        ...
+
+    def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; leaving the iteration early aborts it."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (unknown ids are ignored); its stream ends with finish_reason "abort"."""
+        ...
+
+    # ---- state and control -------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot (for autoscaling and routing); Prometheus metrics go through stat loggers."""
+        ...
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    def check_health(self) -> None:
+        """Raises ``EngineDeadError`` unless the engine serves."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix before the next step (blocks in use keep their KV)."""
+        ...
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Change the batch limit live; lowering it preempts nobody. The KV cache keeps its size."""
+        ...
+
+    def set_max_waiting_requests(self, limit: int | None) -> None:
+        """Change the waiting-queue bound live (None: unbounded); beyond it ``add_request`` is refused."""
+        ...
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine; requests in flight fail with ``EngineDeadError``. Idempotent."""
+        ...
