@@ -1,12 +1,25 @@
 """Engine configuration: vLLM's argument names, validated once at start-up."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from paged_runtime.spec_decode.config import SpeculativeConfig
+
+
+CACHE_ENV = "PAGED_RUNTIME_CACHE"
+CPU_KERNELS_ENV = "PAGED_RUNTIME_CPU_KERNELS"
+ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
+
+
+def default_cache_dir() -> Path:
+    """``$PAGED_RUNTIME_CACHE`` or ``~/.cache/paged_runtime``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "paged_runtime"
 
 
 @dataclass
@@ -30,6 +43,13 @@ class EngineConfig:
     debug_checks: bool = False  # check block-accounting invariants after every step
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} as in vLLM, or its JSON.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Settings whose defaults come from the environment, read here once (not deep in the library):
+    # converted models and compiled kernels ($PAGED_RUNTIME_CACHE, else ~/.cache/paged_runtime);
+    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
+    # the compiled CPU kernels on the CPU ($PAGED_RUNTIME_CPU_KERNELS=0 turns them off);
+    cpu_kernels: bool = field(default_factory=lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0")
+    # torch | cpu | triton instead of the automatic choice ($PAGED_RUNTIME_ATTENTION_BACKEND).
+    attention_backend: str | None = field(default_factory=lambda: os.environ.get(ATTENTION_BACKEND_ENV) or None)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size"):

@@ -1,28 +1,35 @@
-"""Attention backends over the paged KV cache.
+"""Attention backends over the paged KV cache, each a ``build_metadata(batch, device)``.
 
-- ``torch``: pure PyTorch on any device; the CPU path and the oracle for the others.
-- ``triton``: the Triton kernels of ``paged_runtime.kernels``; chosen on CUDA.
+- ``torch``: pure PyTorch on any device; the oracle for the others.
+- ``cpu``: the compiled CPU kernels for one-token query rows (decodes and
+  verifications), PyTorch for prompt chunks; chosen on the CPU with the kernel op set.
+- ``triton``: the Triton kernels; chosen on CUDA.
 
-The model runner builds a step's metadata for one backend, and the metadata
-dispatches to it (``meta.attend``): the model never names a backend.
-``PAGED_RUNTIME_ATTENTION_BACKEND=torch|triton`` overrides the automatic choice
+The model runner builds a step's metadata for one backend from the step's batch,
+and the metadata dispatches to it (``meta.attend``): the model never names a
+backend. ``EngineConfig.attention_backend`` overrides the automatic choice
 (torch on CUDA to compare; triton on CPU only under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from paged_runtime.attention import cpu_backend, torch_backend, triton_backend
+from paged_runtime.batch import StepBatch
 from paged_runtime.kernels import triton_available
 
-BACKENDS = ("torch", "triton")
-BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
+BUILDERS: dict[str, Callable[[StepBatch, torch.device], object]] = {
+    "torch": torch_backend.build_metadata, "cpu": cpu_backend.build_metadata,
+    "triton": triton_backend.build_metadata}
+BACKENDS = tuple(BUILDERS)
 
 
 class AttentionMetadata(Protocol):
     """A step's attention metadata, built by the runner for one backend."""
+    rows_only: bool  # only one-token query rows, for the CPU op set's one-op decoder layer
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -30,13 +37,17 @@ class AttentionMetadata(Protocol):
         ...
 
 
-def select_backend(device: torch.device) -> str:
-    """Triton on CUDA where it imports, torch everywhere else, unless the environment says otherwise."""
-    requested = os.environ.get(BACKEND_ENV)
+def select_backend(device: torch.device, cpu_kernels: bool, requested: str | None = None) -> str:
+    """``requested`` if given; else triton on CUDA where it imports, the kernels' backend on the CPU when the
+    model runs the CPU kernel op set (``cpu_kernels``), torch everywhere else."""
     if requested:
         if requested not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}; got {requested!r}")
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {requested!r}")
         if requested == "triton" and not triton_available():
-            raise ValueError(f"{BACKEND_ENV}=triton, but triton is not installed")
+            raise ValueError("attention_backend triton, but triton is not installed")
+        if requested == "cpu" and not cpu_kernels:
+            raise ValueError("attention_backend cpu needs the CPU kernels (on the CPU, not enforce_eager)")
         return requested
-    return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if device.type == "cuda" and triton_available():
+        return "triton"
+    return "cpu" if cpu_kernels else "torch"

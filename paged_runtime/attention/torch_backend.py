@@ -2,18 +2,14 @@
 
 Cache layout per layer: ``[num_blocks * block_size, 2, num_kv_heads, head_dim]``
 with a slot's key at ``[slot, 0]`` and its value at ``[slot, 1]``: one gather
-fetches both (measured ~2x faster than gathering K and V separately). Token
-``p`` of a request lives in slot ``block_ids[p // block_size] * block_size +
-p % block_size``.
+fetches both (measured ~2x faster than gathering K and V separately).
 
-A step's flat batch puts single-token queries (decodes) first, sorted by
-context length, and prompt chunks after. Decodes run in groups of similar
-length as batched, masked attention over gathered context (grouping keeps
-the padding small when lengths have long tails), or, where the model runs the
-compiled CPU kernels, all together (verification rows too) in one kernel call
-over the block tables; each prompt chunk runs on its own with a causal mask
-aligned to the end of its context (earlier chunks and cache hits come first).
-Gather indices and masks are built once per step, not once per layer.
+From the step's batch (``paged_runtime.batch``): decodes run in groups of similar
+length as batched, masked attention over gathered context (grouping keeps the
+padding small when lengths have long tails); verifications (last token + drafts)
+in groups, one gather per request with causal queries; each prompt chunk on its
+own with a causal mask aligned to the end of its context (earlier chunks and cache
+hits come first). Gather indices and masks are built once per step, not per layer.
 """
 from __future__ import annotations
 
@@ -22,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from paged_runtime.kernels import cpu as cpu_kernels
+import numpy as np
+
+from paged_runtime.batch import StepBatch
 
 
 @dataclass(slots=True)
@@ -47,25 +45,6 @@ class DecodeGroup:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         return _decode_attention(q, kv_cache, self, scale)
-
-
-@dataclass(slots=True)
-class KernelDecodeGroup:
-    """One-token query rows attended by the CPU kernel straight from the paged cache, each over its own
-    context (decodes, and a verification's rows at consecutive positions): no gather, no padding, so one
-    group holds them all (``kernels/cpu.py``)."""
-    row_start: int
-    block_tables: torch.Tensor  # [rows, max_blocks] int64
-    context_lens: torch.Tensor  # [rows] int64, counting the new token
-    block_size: int
-
-    @property
-    def num_rows(self) -> int:
-        return self.context_lens.shape[0]
-
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        return cpu_kernels.paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens,
-                                                  self.block_size, scale)
 
 
 @dataclass(slots=True)
@@ -95,19 +74,15 @@ class VerifyGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is stored
-    # One-token queries and verifications, the first rows.
-    decodes: list[DecodeGroup | KernelDecodeGroup | VerifyGroup]
+    # One-token queries and verifications, the first rows (any group with ``row_start``, ``num_rows``
+    # and ``attend``: the CPU kernel backend adds its own).
+    decodes: list
     prefills: list[PrefillChunk]
+    rows_only = False  # the CPU kernel backend's flag for its one-op decoder layer; never here
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, self, scale)
-
-    def kernel_decodes_only(self) -> KernelDecodeGroup | None:
-        """The step's one group when it holds nothing but query rows for the CPU kernel, else None."""
-        if self.prefills or len(self.decodes) != 1 or not isinstance(self.decodes[0], KernelDecodeGroup):
-            return None
-        return self.decodes[0]
 
 
 def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor) -> DecodeGroup:
@@ -159,3 +134,50 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGrou
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=group.mask,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+# ---- from the step's batch -------------------------------------------------------------------
+# Decodes are attended in groups of this many rows (sorted by length), so one
+# long context does not pad everyone else's gather to its length.
+DECODE_GROUP_SIZE = 32
+
+
+def build_metadata(batch: StepBatch, device: torch.device) -> AttentionMetadata:
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    decodes, verifies = batch.num_decodes, batch.num_verifies
+    groups = [decode_groups(batch, first, min(first + DECODE_GROUP_SIZE, decodes), to)
+              for first in range(0, decodes, DECODE_GROUP_SIZE)]
+    groups += [verify_group(batch, first, min(first + DECODE_GROUP_SIZE, decodes + verifies), to)
+               for first in range(decodes, decodes + verifies, DECODE_GROUP_SIZE)]
+    chunks = [prefill_chunk(batch, i, to) for i in range(decodes + verifies, batch.num_items)]
+    return AttentionMetadata(to(batch.slot_mapping), groups, chunks)
+
+
+def decode_groups(batch: StepBatch, first: int, end: int, to) -> DecodeGroup:
+    """Items first..end-1, one token each, sorted by length: the last is the longest."""
+    lens = batch.seq_lens[first:end]
+    gather = batch.slots(slice(first, end), np.arange(int(lens[-1])))
+    return decode_group(int(batch.query_start_loc[first]), to(gather), to(lens))
+
+
+def verify_group(batch: StepBatch, first: int, end: int, to) -> VerifyGroup:
+    """Speculating items first..end-1: one context gather each, causal queries (rows padded to the longest)."""
+    counts, starts = batch.query_lens[first:end], batch.starts[first:end]
+    row_start, row_end = int(batch.query_start_loc[first]), int(batch.query_start_loc[end])
+    owner = batch.row_owner[row_start:row_end] - first
+    offset = np.arange(row_end - row_start) - (batch.query_start_loc[first:end] - row_start)[owner]
+    width, queries = int((starts + counts).max()), int(counts.max())
+    query_pos = starts[:, None] + np.arange(queries)[None, :]  # [R, Q]
+    mask = np.arange(width)[None, None, :] <= query_pos[:, :, None]
+    mask[np.arange(queries)[None, :] >= counts[:, None]] = np.arange(width) == 0  # padding: see one key
+    return VerifyGroup(row_start, to(batch.slots(slice(first, end), np.arange(width))),
+                       to(owner * queries + offset), queries, to(mask[:, None]))
+
+
+def prefill_chunk(batch: StepBatch, item: int, to) -> PrefillChunk:
+    query_start, query_len = int(batch.query_start_loc[item]), int(batch.query_lens[item])
+    if batch.starts[item] == 0:
+        return PrefillChunk(query_start, query_len, None, None)
+    context_len = int(batch.seq_lens[item])
+    context = to(batch.slots(slice(item, item + 1), np.arange(context_len))[0])
+    return PrefillChunk(query_start, query_len, context, causal_mask(query_len, context_len, context.device))

@@ -1,27 +1,25 @@
 """Paged attention with the Triton kernels: the CUDA path.
 
 Same call as the torch backend (``paged_attention(q, k, v, kv_cache, meta, scale)``),
-its own metadata. A step's flat batch is B varlen causal queries: scheduled item i
-contributes its ``num_scheduled`` tokens at positions ``start .. start + num_scheduled - 1``
-and attends to its whole context 0 .. that position through its block table. Decodes,
+its own metadata. A step's flat batch (``paged_runtime.batch``) is B varlen causal
+queries: item i's tokens attend to its whole context 0 .. their positions through
+its block table. Decodes,
 prompt chunks (after earlier chunks or prefix-cache hits) and speculative verification
 (the last token plus its drafts) are all that one case, in any order, in one launch.
 Cache layout and kernel contract: ``paged_runtime/kernels/attention.py``.
 
-Everything here imports without Triton; the kernels are imported on first use
-(see ``paged_runtime.kernels`` for why).
+Everything here imports without Triton; the kernels are ``paged_runtime::triton_*``
+ops whose implementations import Triton on first use (see ``paged_runtime.kernels``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from paged_runtime.core.scheduler import ScheduledRequest
+from paged_runtime.batch import StepBatch
+from paged_runtime.kernels import triton_ops
 
 
 @dataclass(slots=True)
@@ -35,6 +33,7 @@ class TritonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_kv_splits: int | None = None  # None: kernels.attention.num_kv_splits decides per call
+    rows_only = False  # the CPU kernel backend's flag; never here
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -44,41 +43,16 @@ class TritonAttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]."""
-    from paged_runtime.kernels import attention, store_kv
-
-    store_kv.store_kv(k, v, kv_cache, meta.slot_mapping)
-    splits = meta.num_kv_splits or attention.num_kv_splits(
+    triton_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
+    splits = meta.num_kv_splits or triton_ops.num_kv_splits(
         meta.seq_lens.shape[0], kv_cache.shape[2], meta.max_query_len, meta.max_seq_len)
-    return attention.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                     meta.block_size, meta.max_query_len, scale, splits)
+    return triton_ops.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                      meta.block_size, meta.max_query_len, scale, splits)
 
 
-def build_metadata(items: Sequence[ScheduledRequest], block_size: int,
-                   device: torch.device) -> tuple[np.ndarray, TritonAttentionMetadata]:
-    """Positions of the step's tokens (item after item, in ``items`` order) and their metadata.
-
-    Item i computes ``num_scheduled`` tokens from position ``start`` with blocks ``block_ids``.
-    Built with array ops over the whole batch; the only per-item Python is reading the fields.
-    """
-    counts = np.fromiter((s.num_scheduled for s in items), np.int64, len(items))
-    starts = np.fromiter((s.start for s in items), np.int64, len(items))
-    query_start_loc = np.zeros(len(items) + 1, np.int64)
-    np.cumsum(counts, out=query_start_loc[1:])
-    owner = np.repeat(np.arange(len(items)), counts)
-    positions = starts[owner] + np.arange(len(owner)) - query_start_loc[owner]
-    seq_lens = starts + counts
-    tables = _block_tables([s.block_ids for s in items])
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    to = lambda a, dtype: torch.from_numpy(a.astype(dtype)).to(device)
-    meta = TritonAttentionMetadata(to(slots, np.int64), to(query_start_loc, np.int32), to(seq_lens, np.int32),
-                                   to(tables, np.int32), block_size, int(counts.max()), int(seq_lens.max()))
-    return positions, meta
-
-
-def _block_tables(block_ids: list[list[int]]) -> np.ndarray:
-    """Rows of block ids, zero-padded to the longest (the kernel never reads past a context)."""
-    lens = np.fromiter(map(len, block_ids), np.int64, len(block_ids))
-    tables = np.zeros((len(block_ids), int(lens.max())), np.int32)
-    tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
-        (b for ids in block_ids for b in ids), np.int32, int(lens.sum()))
-    return tables
+def build_metadata(batch: StepBatch, device: torch.device) -> TritonAttentionMetadata:
+    """Every item is one causal varlen query: decodes, prompt chunks and verifications alike."""
+    to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+    return TritonAttentionMetadata(to(batch.slot_mapping, np.int64), to(batch.query_start_loc, np.int32),
+                                   to(batch.seq_lens, np.int32), to(batch.block_tables, np.int32), batch.block_size,
+                                   int(batch.query_lens.max()), int(batch.seq_lens.max()))

@@ -30,49 +30,11 @@ rejected ones' slots are simply written again later.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 from paged_runtime.core.kv_cache_manager import KVCacheManager
+from paged_runtime.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.spec_decode.speculator import Speculator
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # first position computed this step (num_computed_tokens at schedule time)
-    num_new_tokens: int  # the request's own tokens computed this step
-    block_ids: list[int]
-    # Speculative drafts verified after the request's last token (slots reserved for them).
-    # n-gram drafts are known at scheduling; a draft model's are filled in by the runner.
-    num_spec: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_scheduled(self) -> int:
-        return self.num_new_tokens + self.num_spec
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so its logits are sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-    def input_token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens] + self.spec_token_ids
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    num_preempted: int = 0
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy before the forward
-    # Requests that left the engine since the last step: the runner drops their state.
-    finished_req_ids: list[str] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
 
 
 def _fcfs_key(request: Request) -> tuple[int, int]:
@@ -101,6 +63,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_req_ids: list[str] = []
+        self._known_to_runner: set[str] = set()  # requests the runner holds state for
         self.speculator = speculator
 
     # ---- requests in and out -------------------------------------------------
@@ -164,6 +127,8 @@ class Scheduler:
         num_preempted = self.num_preemptions - num_preemptions
         if num_preempted == 0:
             self._admit_waiting(budget, scheduled)
+        for item in scheduled:  # only now: an item can be preempted away within the step
+            self._describe_for_runner(item)
         out = SchedulerOutput(scheduled, sum(s.num_scheduled for s in scheduled), num_preempted,
                               self.kv_cache.take_pending_copies(), self._finished_req_ids)
         self._finished_req_ids = []
@@ -215,8 +180,19 @@ class Scheduler:
     def _schedule(self, request: Request, num_new: int, drafts: list[int | None] = ()) -> ScheduledRequest:
         """``drafts``: known draft tokens, or None placeholders for the runner's draft model."""
         known = [] if None in drafts else list(drafts)
-        return ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                self.kv_cache.block_ids(request.request_id), len(drafts), known)
+        start = request.num_computed_tokens
+        return ScheduledRequest(request.request_id, start, num_new, request.all_token_ids[start:start + num_new],
+                                start + num_new == request.num_tokens, len(drafts), known)
+
+    def _describe_for_runner(self, item: ScheduledRequest) -> None:
+        """What the runner lacks: the request's whole data the first time, then its block-table changes."""
+        request = self.requests[item.request_id]
+        item.block_ids_update = self.kv_cache.take_block_ids_update(item.request_id)
+        if item.request_id not in self._known_to_runner:
+            self._known_to_runner.add(item.request_id)
+            item.new_request = NewRequestData(request.request_id, list(request.all_token_ids),
+                                              request.num_prompt_tokens, request.params, request.index,
+                                              request.eos_token_ids)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int | None]:
         """Draft tokens to verify after a decoding request's last token (none when not speculating)."""
@@ -256,7 +232,7 @@ class Scheduler:
         """Preempt by recompute; returns the tokens it had been scheduled this step (0 if none)."""
         self.running.remove(request)
         self.kv_cache.free(request)
-        was_scheduled = [s for s in scheduled if s.request is request]
+        was_scheduled = [s for s in scheduled if s.request_id == request.request_id]
         for item in was_scheduled:
             scheduled.remove(item)
         request.num_computed_tokens = 0
@@ -267,17 +243,18 @@ class Scheduler:
         return sum(s.num_new_tokens for s in was_scheduled)
 
     # ---- after the forward pass ---------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[list[int]]:
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: list[list[int]]) -> list[tuple[Request, list[int]]]:
         """Advance computed counts, append sampled tokens, finish stopped requests.
 
         ``sampled[i]`` holds item i's new tokens: none for a prompt chunk that did not
         reach the end, one for a plain decode, accepted drafts + one for speculation
         (the accepted drafts' KV was computed; rejected ones' slots are simply rewritten
-        later). Returns the tokens each item actually appended: a stop cuts the rest.
+        later). Returns each item's request and the tokens it actually appended: a stop cuts the rest.
         """
         appended = []
         for item, tokens in zip(output.scheduled, sampled):
-            request = item.request
+            request = self.requests[item.request_id]
             request.num_computed_tokens += item.num_new_tokens + max(0, len(tokens) - 1)
             kept = []
             status = None
@@ -290,7 +267,7 @@ class Scheduler:
             # After a stop inside the accepted drafts, KV past the last kept token is dropped.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.kv_cache.cache_computed_blocks(request)  # only verified tokens are ever hashed
-            appended.append(kept)
+            appended.append((request, kept))
             if status is not None:
                 self.running.remove(request)
                 self._release(request, status)
@@ -314,6 +291,7 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        self._known_to_runner.discard(request.request_id)
         self._finished_req_ids.append(request.request_id)
 
     def check_invariants(self) -> None:

@@ -12,15 +12,17 @@ import torch
 
 from paged_runtime.config import EngineConfig, resolve_dtype
 from paged_runtime.core.kv_cache_manager import KVCacheManager
-from paged_runtime.core.scheduler import Scheduler, SchedulerOutput
+from paged_runtime.core.scheduler import Scheduler
+from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.models.loader import load_model, resolve_model_path
-from paged_runtime.models.ops import select_ops
+from paged_runtime.attention import select_backend
+from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.kv_budget import free_memory, num_kv_blocks
-from paged_runtime.worker.model_runner import ModelRunner, TokenLogprobs
+from paged_runtime.worker.model_runner import ModelRunner, TokenLogprobs, allocate_kv_caches
 from paged_runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -75,7 +77,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        self.ops = select_ops(self.device, self.dtype, config.enforce_eager)
+        self.ops = select_ops(self.device, self.dtype, config.cpu_kernels and not config.enforce_eager,
+                              config.cache_dir)
         model = load_model(model_path, self.max_model_len, self.dtype, self.device, self.ops)
         spec = config.speculative_config
         draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None
@@ -85,19 +88,23 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None)
-        drafter = (DraftModelProposer(draft, self.num_blocks * config.block_size, self.dtype, self.device)
-                   if draft else None)
+        num_slots = self.num_blocks * config.block_size
+        drafter = DraftModelProposer(draft, allocate_kv_caches(draft, num_slots, self.dtype, self.device)) if draft else None
         graphs = None if config.enforce_eager or self.device.type != "cuda" else (config.max_num_seqs,
                                                                                  self.max_model_len)
+        self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
+                                                config.attention_backend)
+        lookahead = spec.num_speculative_tokens if spec else 0
+        max_blocks = -(-(self.max_model_len + lookahead) // config.block_size)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
-                                  drafter, graphs)
+                                  self.attention_backend, max_blocks, drafter, graphs)
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
                     model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
-                    "CPU kernels" if self.ops.native else "PyTorch ops")
+                    f"{self.ops.name} ops, {self.attention_backend} attention")
 
     def _load_draft(self, spec: SpeculativeConfig, target: ModelConfig):
-        path = resolve_model_path(spec.model)
+        path = resolve_model_path(spec.model, self.config.cache_dir)
         draft_config = ModelConfig.from_folder(path)
         if draft_config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the "
@@ -124,11 +131,10 @@ class EngineCore:
         result = self.runner.execute(out)
         appended = self.scheduler.update_from_output(out, result.token_ids)
         updates = []
-        for item, tokens, logprobs, prompt_logprobs in zip(out.scheduled, appended, result.logprobs,
-                                                           result.prompt_logprobs):
+        for (request, tokens), logprobs, prompt_logprobs in zip(appended, result.logprobs, result.prompt_logprobs):
             if prompt_logprobs is not None:
-                updates.append(StepUpdate(item.request, None, None, prompt_logprobs))
-            updates += [StepUpdate(item.request, token_id, logprobs[i] if logprobs else None, None)
+                updates.append(StepUpdate(request, None, None, prompt_logprobs))
+            updates += [StepUpdate(request, token_id, logprobs[i] if logprobs else None, None)
                         for i, token_id in enumerate(tokens)]
         self._record_spec(out, result.token_ids)
         if self.config.debug_checks:

@@ -1,14 +1,20 @@
-"""CPU decode kernels: ``cpu_ops.c``, compiled on first use and called through ctypes.
+"""CPU decode kernels: ``cpu_ops.c``, compiled on first use, exposed as ``paged_runtime::cpu_*`` ops.
 
 The library is built with the system C compiler (``-O3 -march=native -fopenmp``,
-about a second) into the runtime's cache folder (``$PAGED_RUNTIME_CACHE``, default
-``~/.cache/paged_runtime``, as for converted models), named by a hash of the source, the compiler and the CPU's feature flags, so a
-later start loads it at once and a changed source or machine rebuilds it. No
-compiler, or a failed build, leaves the PyTorch path in charge (logged once).
-``PAGED_RUNTIME_CPU_KERNELS=0`` turns the kernels off; so does ``enforce_eager``.
+about a second) into the runtime's cache folder, named by a hash of the source,
+the compiler and the CPU's feature flags, so a later start loads it at once and a
+changed source or machine rebuilds it. ``load(cache_dir)`` returns False where
+there is no compiler or the build fails (logged once): the PyTorch path runs.
 
-Every wrapper takes contiguous CPU tensors of one dtype (float32 or bfloat16)
-and writes into tensors it allocates; see the C file for each kernel's numerics.
+ctypes is the loader; the ops registered here are the boundary the model calls
+(``torch.ops.paged_runtime.cpu_linear`` and friends): the profiler names them and
+``torch.compile`` traces around them (each has a fake implementation). The ops are
+``torch.library.Library`` definitions rather than ``custom_op``: the latter costs
+~22 us a call here, the former ~4 (measured), and a decode step makes 30 of them.
+
+Every op takes contiguous CPU tensors of one dtype (float32 or bfloat16), index
+tensors int64; see the C file for each kernel's numerics. The C file's constants
+and struct sizes are read from the library (``pr_abi``), never restated here.
 """
 from __future__ import annotations
 
@@ -27,13 +33,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-DISABLE_ENV = "PAGED_RUNTIME_CPU_KERNELS"
-MAX_ROWS = 16  # linear() and decode_layer(): rows per call (MAX_ROWS in the C file); more use oneDNN
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
+    "pr_abi": ([_int], _i64),
     "pr_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], _int),
     "pr_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int], None),
     "pr_rope": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], None),
@@ -49,18 +54,9 @@ class _Paged(ctypes.Structure):
                 ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("scale", _f32)]
 
 
-class LayerWeights(ctypes.Structure):
-    """A decoder layer's weights for ``decode_layer`` (pointers: build after the weights are in place)."""
+class _LayerWeights(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr), ("post_norm", _ptr),
                 ("gate_up", _ptr), ("down", _ptr), ("hidden", _i64), ("intermediate", _i64), ("eps", _f32)]
-
-    @classmethod
-    def of(cls, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None, o: torch.Tensor,
-           post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float) -> LayerWeights:
-        tensors = (input_norm, qkv, qkv_bias, o, post_norm, gate_up, down)
-        if any(t is not None and not t.is_contiguous() for t in tensors):
-            raise ValueError("decode_layer needs contiguous weights")
-        return cls(*(_p(t) for t in tensors), o.shape[0], down.shape[1], eps)
 
 
 class _DecodeStep(ctypes.Structure):
@@ -68,20 +64,16 @@ class _DecodeStep(ctypes.Structure):
                 ("paged", _Paged)]
 
 
-class DecodeStep:
-    """One decode step's inputs to ``decode_layer``, shared by every layer; holds the tensors it points at."""
-
-    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                 kv_heads: int, head_dim: int, scale: float) -> None:
-        index = [t.to(torch.int64).contiguous() for t in (positions, slots, block_tables, context_lens)]
-        self._tensors = index + [cos.float().contiguous(), sin.float().contiguous()]
-        positions, slots, block_tables, context_lens, cos, sin = self._tensors
-        paged = _Paged(_p(block_tables), _p(context_lens), block_tables.stride(0), block_size, heads, kv_heads,
-                       head_dim, scale)
-        self.struct = _DecodeStep(positions.shape[0], _p(positions), _p(slots), _p(cos), _p(sin), paged)
+_ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged}  # pr_abi(i) must equal sizeof these
 
 
+class _Loaded:
+    """The one library this process loaded (a shared library is process-wide by nature)."""
+    lib: ctypes.CDLL | None = None
+    max_rows: int = 0
+
+
+# ---- build and load --------------------------------------------------------------------------------
 def _cpu_flags() -> str:
     try:
         return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -93,10 +85,9 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, cache_dir: Path) -> Path:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    from paged_runtime.models.default_model import cache_dir
-    target = cache_dir() / f"cpu_ops-{key}.so"
+    target = cache_dir / f"cpu_ops-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,85 +101,157 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they are turned off or cannot be built."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
+def load(cache_dir: str | Path) -> bool:
+    """Build (if needed) and load the kernels from ``cache_dir``; False where that is impossible."""
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: the CPU decode kernels are off (PyTorch path)")
-        return None
+        return False
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, Path(cache_dir))))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("building the CPU decode kernels failed, using the PyTorch path: %s", detail)
-        return None
+        return False
     for name, (args, result) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
-    return lib
+    mismatched = [s.__name__ for i, s in _ABI_SIZES.items() if lib.pr_abi(i) != ctypes.sizeof(s)]
+    if mismatched:
+        logger.warning("the CPU kernels' structs differ from cpu.py's (%s): PyTorch path", ", ".join(mismatched))
+        return False
+    _Loaded.lib, _Loaded.max_rows = lib, lib.pr_abi(0)
+    return True
 
 
-def available() -> bool:
-    return library() is not None
+def max_rows() -> int:
+    """Most rows ``cpu_linear`` and ``cpu_decode_layer`` take in one call (MAX_ROWS in the C file)."""
+    return _Loaded.max_rows
+
+
+def _lib() -> ctypes.CDLL:
+    if _Loaded.lib is None:
+        raise RuntimeError("the CPU kernels are not loaded (kernels.cpu.load)")
+    return _Loaded.lib
 
 
 def _p(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] @ weight[N, K].T (+ bias), weights streamed once for all M rows."""
+# ---- the ops -------------------------------------------------------------------------------------
+LIB = torch.library.Library("paged_runtime", "FRAGMENT")
+
+
+def _op(schema: str, fake):
+    """Define ``paged_runtime::<schema>`` with the decorated function as its CPU kernel and ``fake`` as its
+    meta implementation; returns the op (``torch.ops.paged_runtime.<name>``)."""
+    name = schema.split("(", 1)[0]
+
+    def register(impl):
+        LIB.define(schema)
+        LIB.impl(name, impl, "CPU")
+        torch.library.register_fake(f"paged_runtime::{name}", fake, lib=LIB)
+        return getattr(torch.ops.paged_runtime, name)
+    return register
+
+
+def _linear_fake(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@_op("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _linear_fake)
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M <= max_rows(), K] @ weight[N, K].T (+ bias), weights streamed once for all M rows."""
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype)
-    if library().pr_linear(_p(x), _p(weight), _p(bias), _p(out), m, n, k, DTYPES[x.dtype]):
+    if _lib().pr_linear(_p(x), _p(weight), _p(bias), _p(out), m, n, k, DTYPES[x.dtype]):
         raise RuntimeError(f"pr_linear failed for a {m}x{k} input")
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+@_op("cpu_rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor",
+     lambda x, residual, weight, eps: torch.empty_like(x))
+def cpu_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x, or of ``residual += x`` (updated in place) when residual is given."""
     out = torch.empty_like(x)
-    library().pr_rms_norm(_p(x), _p(residual), _p(weight), _p(out), x.shape[0], x.shape[1], eps, DTYPES[x.dtype])
+    _lib().pr_rms_norm(_p(x), _p(residual), _p(weight), _p(out), x.shape[0], x.shape[1], eps, DTYPES[x.dtype])
     return out
 
 
-def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor) -> None:
+@_op("cpu_rope_(Tensor(a!) qkv, int heads, int head_dim, Tensor positions, Tensor cos, Tensor sin) -> ()",
+     lambda qkv, heads, head_dim, positions, cos, sin: None)
+def cpu_rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> None:
     """Rotate the first ``heads`` heads of every row of qkv in place (the q heads, then the k heads)."""
-    library().pr_rope(_p(qkv), qkv.stride(0), _p(positions), _p(cos), _p(sin), qkv.shape[0], heads, head_dim,
-                      DTYPES[qkv.dtype])
+    _lib().pr_rope(_p(qkv), qkv.stride(0), _p(positions), _p(cos), _p(sin), qkv.shape[0], heads, head_dim,
+                   DTYPES[qkv.dtype])
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+@_op("cpu_silu_mul(Tensor gate_up) -> Tensor",
+     lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     m, width = gate_up.shape
     out = torch.empty(m, width // 2, dtype=gate_up.dtype)
-    library().pr_silu_mul(_p(gate_up), _p(out), m, width // 2, DTYPES[gate_up.dtype])
+    _lib().pr_silu_mul(_p(gate_up), _p(out), m, width // 2, DTYPES[gate_up.dtype])
     return out
 
 
-def decode_layer(weights: LayerWeights, step: DecodeStep, kv_cache: torch.Tensor, x: torch.Tensor,
-                 residual: torch.Tensor) -> None:
-    """A whole decoder layer for up to MAX_ROWS decode tokens: stores their K/V, replaces x (the layer's
-    input) by its output and advances residual (zeros before the first layer), in one call."""
-    rc = library().pr_decode_layer(ctypes.byref(weights), ctypes.byref(step.struct), _p(kv_cache), _p(x),
-                                   _p(residual), DTYPES[x.dtype])
-    if rc:
-        raise RuntimeError(f"pr_decode_layer failed ({rc}) for {x.shape[0]} rows")
-
-
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+@_op("cpu_paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
+     "int block_size, float scale) -> Tensor",
+     lambda q, kv_cache, block_tables, context_lens, block_size, scale: torch.empty_like(q))
+def cpu_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """One query token per row of q ([B, H, D], rows may be strided) over its paged context."""
     b, heads, dim = q.shape
     if q.stride(1) != dim or q.stride(2) != 1:
         raise ValueError("q's heads must be contiguous within a row")
     out = torch.empty(b, heads, dim, dtype=q.dtype)
-    rc = library().pr_paged_decode_attention(
+    rc = _lib().pr_paged_decode_attention(
         _p(q), q.stride(0), _p(kv_cache), _p(block_tables), block_tables.stride(0), _p(context_lens), b, heads,
         kv_cache.shape[2], dim, block_size, scale, _p(out), DTYPES[q.dtype])
     if rc:
         raise MemoryError("pr_paged_decode_attention could not allocate its score buffers")
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_struct(pointers: tuple[int | None, ...], hidden: int, intermediate: int, eps: float) -> _LayerWeights:
+    # Keyed by everything the struct holds, so a hit is the very struct the arguments describe.
+    return _LayerWeights(*pointers, hidden, intermediate, eps)
+
+
+@functools.lru_cache(maxsize=4)
+def _step_struct(pointers: tuple[int, ...], rows: int, table_stride: int, block_size: int, heads: int,
+                 kv_heads: int, dim: int, scale: float) -> _DecodeStep:
+    positions, slots, cos, sin, block_tables, context_lens = pointers
+    paged = _Paged(block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, scale)
+    return _DecodeStep(rows, positions, slots, cos, sin, paged)
+
+
+@_op("cpu_decode_layer(Tensor(a!) x, Tensor(b!) residual, Tensor(c!) kv_cache, Tensor?[] weights, "
+     "Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, "
+     "int block_size, int heads, float scale, float eps) -> ()",
+     lambda *args: None)
+def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
+                     weights: list[torch.Tensor | None], positions: torch.Tensor, slots: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     block_size: int, heads: int, scale: float, eps: float) -> None:
+    """A whole Llama decoder layer for up to max_rows() one-token query rows: stores their K/V, replaces x
+    (the layer's input) by its output and advances residual (zeros before the first layer), in one call.
+
+    ``weights``: input norm, qkv, qkv bias (or None), o, post-attention norm, gate_up, down, all contiguous.
+    Index tensors int64 and cos / sin float32, contiguous (checked: the C code reads them raw)."""
+    index = (positions, slots, block_tables, context_lens)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index) or cos.dtype != torch.float32:
+        raise ValueError("cpu_decode_layer takes contiguous int64 indices and float32 cos/sin tables")
+    if any(w is not None and not w.is_contiguous() for w in weights):
+        raise ValueError("cpu_decode_layer needs contiguous weights")
+    _, _, kv_heads, dim = kv_cache.shape
+    layer = _layer_struct(tuple(map(_p, weights)), weights[3].shape[0], weights[6].shape[1], eps)
+    step = _step_struct((_p(positions), _p(slots), _p(cos), _p(sin), _p(block_tables), _p(context_lens)),
+                        positions.shape[0], block_tables.stride(0), block_size, heads, kv_heads, dim, scale)
+    rc = _lib().pr_decode_layer(ctypes.byref(layer), ctypes.byref(step), _p(kv_cache), _p(x), _p(residual),
+                                DTYPES[x.dtype])
+    if rc:
+        raise RuntimeError(f"pr_decode_layer failed ({rc}) for {x.shape[0]} rows")

@@ -561,3 +561,17 @@ int pr_decode_layer(const LayerWeights *W, const DecodeStep *S, void *kv_cache, 
     free(work);
     return 0;
 }
+
+/* ---- what the Python loader reads instead of mirroring by hand -------------------------------- */
+
+/* 0: MAX_ROWS; 1, 2, 3: sizeof LayerWeights, DecodeStep, Paged (cpu.py checks its ctypes structs
+ * against these and refuses a library that disagrees); -1 for anything else. */
+int64_t pr_abi(int what) {
+    switch (what) {
+    case 0: return MAX_ROWS;
+    case 1: return (int64_t)sizeof(LayerWeights);
+    case 2: return (int64_t)sizeof(DecodeStep);
+    case 3: return (int64_t)sizeof(Paged);
+    default: return -1;
+    }
+}

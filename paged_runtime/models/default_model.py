@@ -14,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
@@ -40,9 +39,9 @@ def find_default_gguf() -> Path:
 
 
 def cache_dir() -> Path:
-    """``$PAGED_RUNTIME_CACHE`` or ``~/.cache/paged_runtime``."""
-    env = os.environ.get("PAGED_RUNTIME_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "paged_runtime"
+    """The default cache folder: ``$PAGED_RUNTIME_CACHE`` or ``~/.cache/paged_runtime``."""
+    from paged_runtime.config import default_cache_dir
+    return default_cache_dir()
 
 
 def _fingerprint(gguf: Path) -> str:
@@ -51,10 +50,10 @@ def _fingerprint(gguf: Path) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def default_model_path() -> Path:
-    """Converted HF folder of the default model; converts once if missing."""
+def default_model_path(cache: Path | None = None) -> Path:
+    """Converted HF folder of the default model in ``cache`` (default: ``cache_dir()``); converts once."""
     gguf = find_default_gguf()
-    target = cache_dir() / f"{DEFAULT_MODEL_NAME}-{_fingerprint(gguf)}"
+    target = Path(cache or cache_dir()) / f"{DEFAULT_MODEL_NAME}-{_fingerprint(gguf)}"
     if (target / "config.json").is_file():
         return target  # fast path: no lock once converted
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -14,31 +14,33 @@ from safetensors import SafetensorError, safe_open
 
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.llama import MODEL_CLASSES, LlamaForCausalLM
-from paged_runtime.models.ops import TorchOps
+from paged_runtime.layers.ops import TorchOps
 from paged_runtime.utils.cpu import move_to_huge_pages
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
+    """A folder of weights for ``model``; a GGUF (or the embedded default) is converted once into ``cache_dir``
+    (default: ``default_model.cache_dir()``)."""
     if model is None:
         from paged_runtime.models.default_model import default_model_path
-        return default_model_path()
+        return default_model_path(Path(cache_dir) if cache_dir else None)
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {model!r} does not exist (weights are never downloaded)")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {model!r} is not a .gguf file; pass a folder or a .gguf")
-        return _converted_gguf(path)
+        return _converted_gguf(path, cache_dir)
     return path
 
 
-def _converted_gguf(path: Path) -> Path:
+def _converted_gguf(path: Path, cache: str | Path | None) -> Path:
     from paged_runtime.models.default_model import cache_dir
     from paged_runtime.models.gguf_convert import CONVERTER_VERSION, convert_gguf
     stat = path.stat()
     fingerprint = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERTER_VERSION}"
     key = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
-    out = cache_dir() / f"{path.stem}-{key}"
+    out = Path(cache or cache_dir()) / f"{path.stem}-{key}"
     return out if (out / "config.json").exists() else convert_gguf(path, out)
 
 
@@ -63,7 +65,7 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"{folder} lacks weights for {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
-    model.ops.prepare(model)
+    model.process_weights_after_loading()
     return model.eval()
 
 

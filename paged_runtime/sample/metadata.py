@@ -1,6 +1,8 @@
-"""Gathers the per-request sampling state of one step into dense tensors for the sampler.
+"""Gathers one step's sampling state into dense tensors for the sampler, from the runner's request states.
 
-Every stage is built only when some row in the batch needs it, so an
+Per-request parameters live in the runner's per-row arrays (set once when a request
+arrives) and are fancy-indexed out; penalties read each request's running output
+counts. Every stage is built only when some row in the batch needs it, so an
 all-greedy batch costs one small tensor.
 """
 from __future__ import annotations
@@ -8,25 +10,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_runtime.request import Request
 from paged_runtime.sample.sampler import Penalties, SamplingMetadata
+from paged_runtime.worker.request_states import CachedRequest, RequestStates
 
 
-def build_sampling_metadata(requests: list[Request], generators: list[torch.Generator | None], vocab_size: int,
-                            device: torch.device) -> SamplingMetadata:
+def build_sampling_metadata(requests: list[CachedRequest], states: RequestStates) -> SamplingMetadata:
     params = [r.params for r in requests]
+    rows = np.fromiter((r.row for r in requests), np.int64, len(requests))
+    device = states.device
+    tensor = lambda a: torch.from_numpy(a[rows]).to(device)
     all_greedy = all(p.greedy for p in params)
-    floats = lambda values: torch.tensor(values, dtype=torch.float32, device=device)
-    meta = SamplingMetadata(floats([p.temperature for p in params]), all_greedy, generators)
+    meta = SamplingMetadata(tensor(states.temperature), all_greedy, [r.generator for r in requests])
     if not all_greedy:
         if any(p.top_k for p in params):
-            meta.top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device)
+            meta.top_k = tensor(states.top_k)
         if any(p.top_p < 1 for p in params):
-            meta.top_p = floats([p.top_p for p in params])
+            meta.top_p = tensor(states.top_p)
         if any(p.min_p > 0 for p in params):
-            meta.min_p = floats([p.min_p for p in params])
+            meta.min_p = tensor(states.min_p)
     meta.logit_bias = _logit_bias(requests, device)
-    if any(p.has_penalties for p in params):
+    if any(r.output_counts is not None for r in requests):
         meta.penalties = _penalties(requests, device)
     asked = [i for i, p in enumerate(params) if p.needs_logprobs]
     if asked:
@@ -36,7 +39,7 @@ def build_sampling_metadata(requests: list[Request], generators: list[torch.Gene
     return meta
 
 
-def _logit_bias(requests: list[Request], device: torch.device):
+def _logit_bias(requests: list[CachedRequest], device: torch.device):
     """Sparse (rows, token ids, values): the request's logit_bias, and -inf on EOS / stop
     tokens while fewer than min_tokens have been generated."""
     rows, cols, values = [], [], []
@@ -53,17 +56,16 @@ def _logit_bias(requests: list[Request], device: torch.device):
             torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _penalties(requests: list[Request], device: torch.device) -> Penalties:
+def _penalties(requests: list[CachedRequest], device: torch.device) -> Penalties:
     """One entry per distinct token a penalised row has seen, with its count in the output."""
     rows, token_ids, counts, per_row = [], [], [], []
     for row, request in enumerate(requests):
-        p = request.params
-        if not p.has_penalties:
+        seen = request.output_counts
+        if seen is None:
             continue
-        ids, inverse = np.unique(np.asarray(request.all_token_ids, dtype=np.int64), return_inverse=True)
-        output_counts = np.bincount(inverse[request.num_prompt_tokens:], minlength=len(ids))
-        rows.append(np.full(len(ids), row)), token_ids.append(ids), counts.append(output_counts)
-        per_row.append((len(ids), p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        p = request.params
+        rows.append(np.full(len(seen.token_ids), row)), token_ids.append(seen.token_ids), counts.append(seen.counts)
+        per_row.append((len(seen.token_ids), p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
     sizes = [n for n, *_ in per_row]
     tensor = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype)).to(device)
     per_entry = lambda k: torch.from_numpy(np.repeat(np.array([x[k] for x in per_row], dtype=np.float32),

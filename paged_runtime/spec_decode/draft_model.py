@@ -19,20 +19,22 @@ KV. After verification it covers the accepted drafts the draft itself ran
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from paged_runtime.core.scheduler import ScheduledRequest
-from paged_runtime.models.llama import LlamaForCausalLM
+from paged_runtime.batch import BatchItem, StepItem, layout_order
 from paged_runtime.spec_decode.rejection_sampler import SpecRow, sample_from, target_probs
+
+# forward(model, items in layout order) -> hidden states: the runner's batch builder and backend.
+Forward = Callable[[object, list[BatchItem]], torch.Tensor]
 
 
 class DraftModelProposer:
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        c = model.config
-        self.model = model
-        self.kv_caches = [torch.zeros((num_slots, 2, c.num_kv_heads, c.head_dim), dtype=dtype, device=device)
-                          for _ in range(c.num_layers)]
+    def __init__(self, model, kv_caches: list[torch.Tensor]) -> None:
+        """``model``: its attention layers bound to ``kv_caches``, which share the target's slot numbering."""
+        self.model, self.kv_caches = model, kv_caches
         self.computed: dict[str, int] = {}
 
     def forget(self, request_id: str) -> None:
@@ -43,7 +45,7 @@ class DraftModelProposer:
             kv_cache[dst] = kv_cache[src]
 
     @torch.inference_mode()
-    def propose(self, items: list[ScheduledRequest], spec_rows: dict[int, SpecRow], prepare_inputs,
+    def propose(self, items: list[StepItem], spec_rows: dict[int, SpecRow], forward: Forward,
                 generator: torch.Generator) -> None:
         """Catch up on ``items``; fill drafts (and q for random rows) of the speculating ones.
 
@@ -51,35 +53,31 @@ class DraftModelProposer:
         catch_up = []
         for s in items:
             real_end = s.start + s.num_new_tokens
-            start = min(self.computed.get(s.request.request_id, s.start), s.start)
-            catch_up.append(ScheduledRequest(s.request, start, real_end - start, s.block_ids))
-            self.computed[s.request.request_id] = real_end
-        order = sorted(range(len(catch_up)), key=lambda i: (catch_up[i].num_scheduled > 1, catch_up[i].start))
-        ends = np.cumsum([catch_up[i].num_scheduled for i in order])
+            start = min(self.computed.get(s.request_id, s.start), s.start)
+            catch_up.append(BatchItem(start, s.history[start:real_end], 0, s.table_row))
+            self.computed[s.request_id] = real_end
+        order = layout_order(catch_up)
+        ends = np.cumsum([len(catch_up[i].token_ids) for i in order])
         last_row = {i: int(ends[k]) - 1 for k, i in enumerate(order)}
-        hidden = self._forward([catch_up[i] for i in order], prepare_inputs)
+        hidden = forward(self.model, [catch_up[i] for i in order])
         speculating = sorted(spec_rows)
         if not speculating:
             return
-        logits = self.model.compute_logits(hidden[[last_row[i] for i in speculating]]).float()
+        logits = self.model.compute_logits(hidden[[last_row[i] for i in speculating]])
         self._draw(logits, [spec_rows[i] for i in speculating], generator)
         for step in range(1, max(items[i].num_spec for i in speculating)):
             active = [i for i in speculating if items[i].num_spec > step]
-            passes = [ScheduledRequest(items[i].request, items[i].start + step, 0, items[i].block_ids,
-                                       num_spec=1, spec_token_ids=spec_rows[i].drafts[-1:]) for i in active]
-            order = sorted(range(len(passes)), key=lambda k: passes[k].start)
-            hidden = self._forward([passes[k] for k in order], prepare_inputs)
+            passes = [BatchItem(items[i].start + step, spec_rows[i].drafts[-1:], 0, items[i].table_row)
+                      for i in active]
+            order = layout_order(passes)
+            hidden = forward(self.model, [passes[k] for k in order])
             back = np.argsort(order)
-            logits = self.model.compute_logits(hidden[torch.as_tensor(back)]).float()
+            logits = self.model.compute_logits(hidden[torch.as_tensor(back)])
             self._draw(logits, [spec_rows[i] for i in active], generator)
 
-    def accepted(self, item: ScheduledRequest, num_accepted: int) -> None:
+    def accepted(self, item: StepItem, num_accepted: int) -> None:
         """The draft KV is valid up to the last accepted draft the draft model ran itself."""
-        self.computed[item.request.request_id] = item.start + 1 + min(num_accepted, item.num_spec - 1)
-
-    def _forward(self, items: list[ScheduledRequest], prepare_inputs) -> torch.Tensor:
-        input_ids, positions, meta = prepare_inputs(items)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        self.computed[item.request_id] = item.start + 1 + min(num_accepted, item.num_spec - 1)
 
     @staticmethod
     def _draw(logits: torch.Tensor, rows: list[SpecRow], generator: torch.Generator) -> None:

@@ -41,10 +41,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device, capture: Capture = cuda_capture) -> None:
-        from paged_runtime.kernels.attention import num_kv_splits
-        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+    def __init__(self, model, block_size: int, max_num_seqs: int, max_model_len: int, device: torch.device,
+                 capture: Capture = cuda_capture) -> None:
+        """``model``: its attention layers already bound to their KV caches."""
+        from paged_runtime.kernels.triton_ops import num_kv_splits
+        self.model, self.block_size = model, block_size
         self.sizes = capture_sizes(max_num_seqs)
         size, max_blocks = self.sizes[-1], -(-max_model_len // block_size)
         zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)
@@ -53,7 +54,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_tables = zeros(size, max_blocks, dtype=torch.int32)
         query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        kv_heads = kv_caches[0].shape[2]
+        kv_heads = model.config.num_kv_heads
         self.metas = {s: TritonAttentionMetadata(
             self.slot_mapping[:s], query_start_loc[:s + 1], self.seq_lens[:s], self.block_tables[:s], block_size,
             max_query_len=1, max_seq_len=max_model_len, num_kv_splits=num_kv_splits(s, kv_heads, 1, max_model_len))
@@ -66,8 +67,7 @@ class DecodeGraphs:
         """Largest first, so the smaller graphs reuse the pool the largest one allocated."""
         pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         for size in reversed(self.sizes):
-            forward = lambda s=size: self.model(self.input_ids[:s], self.positions[:s], self.kv_caches,
-                                                self.metas[s])
+            forward = lambda s=size: self.model(self.input_ids[:s], self.positions[:s], self.metas[s])
             forward()  # warm-up: Triton compiles and autotunes outside the capture
             self.graphs[size] = self._capture(forward, pool)
 

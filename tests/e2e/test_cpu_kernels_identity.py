@@ -9,9 +9,10 @@ import pytest
 
 from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
+from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernels are off")
+pytestmark = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 
 TINY_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads, head dim 16, fp32, 16 tokens
 
@@ -37,9 +38,9 @@ def generate(llm, prompts, params) -> list[list[int]]:
                          ids=["plain", "ngram"])
 def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, num_blocks, speculative_config):
     fused_calls, attention_calls = [], []
-    decode_layer, attention = cpu.decode_layer, cpu.paged_decode_attention
-    monkeypatch.setattr(cpu, "decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
-    monkeypatch.setattr(cpu, "paged_decode_attention",
+    decode_layer, attention = cpu.cpu_decode_layer, cpu.cpu_paged_decode_attention
+    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    monkeypatch.setattr(cpu, "cpu_paged_decode_attention",
                         lambda q, *a: attention_calls.append(q.shape[0]) or attention(q, *a))
     prompts, params = workload()
     # 24 blocks of 16 tokens: too few for every request at once (preemption); 96 let more than
@@ -48,13 +49,13 @@ def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seq
                   kv_cache_memory=num_blocks * TINY_BYTES_PER_BLOCK, speculative_config=speculative_config)
     eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
     kernels = make_llm(tiny_llama_dir, **common)
-    assert kernels.engine.core.ops.native and not eager.engine.core.ops.native
+    assert kernels.engine.core.ops.name == "cpu-kernels" and eager.engine.core.ops.name == "torch"
     expected = generate(eager, prompts, params)
     eager_fused_calls = len(fused_calls)
     assert generate(kernels, prompts, params) == expected
     assert eager_fused_calls == 0 and len(fused_calls) > 0  # the fused layer ran, only on the kernel path
-    if max_num_seqs > cpu.MAX_ROWS:
-        assert max(attention_calls) > cpu.MAX_ROWS  # decodes too many for the fused layer ran op by op
+    if max_num_seqs > cpu.max_rows():
+        assert max(attention_calls) > cpu.max_rows()  # decodes too many for the fused layer ran op by op
     else:
         assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0

@@ -51,10 +51,11 @@ def test_tiny_llama_matches_transformers_with_chunking_and_preemption(tiny_llama
 
 
 def test_unchunked_batch_with_small_decode_groups(tiny_llama_dir, tiny_hf, monkeypatch):
-    from paged_runtime.worker import model_runner
-    monkeypatch.setattr(model_runner, "DECODE_GROUP_SIZE", 2)  # several ragged groups per step
+    from paged_runtime.attention import torch_backend
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_SIZE", 2)  # several ragged groups per step
     prompts = random_prompts(6, [40, 90, 3, 250, 17, 130], seed=2)
-    llm = make_llm(tiny_llama_dir, max_model_len=512, max_num_batched_tokens=2048, kv_cache_memory=8 * 2**20)
+    llm = make_llm(tiny_llama_dir, max_model_len=512, max_num_batched_tokens=2048, kv_cache_memory=8 * 2**20,
+                   attention_backend="torch")  # the gathered decode groups (the CPU kernels need none)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):

@@ -12,7 +12,6 @@ import random
 
 from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
-from paged_runtime.attention import BACKEND_ENV
 from paged_runtime.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
 
@@ -37,8 +36,7 @@ def test_capture_ladder():
 
 
 def test_graph_replay_matches_eager_steps(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "triton")
-    common = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=6, kv_cache_memory=2**20)
+    common = dict(attention_backend="triton", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=6, kv_cache_memory=2**20)
     prompts, params = workload()
     eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
     assert eager.engine.core.runner.graphs is None
@@ -48,7 +46,7 @@ def test_graph_replay_matches_eager_steps(tiny_llama_dir, monkeypatch):
     runner = llm.engine.core.runner
     if runner.graphs is None:  # no GPU: graphs over the interpreter with the stand-in capture
         assert runner.device.type == "cpu"
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 6, 256, runner.device,
+        runner.graphs = DecodeGraphs(runner.model, runner.block_size, 6, 256, runner.device,
                                      capture=eager_capture)
         runner.graphs.capture_all()
     replayed, run = [], runner.graphs.run

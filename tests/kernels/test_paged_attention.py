@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from paged_runtime.attention import torch_backend
 from paged_runtime.attention.triton_backend import TritonAttentionMetadata, build_metadata
+from paged_runtime.batch import BatchItem, build_batch
 from paged_runtime.kernels import attention
 from paged_runtime.kernels.store_kv import store_kv
 
@@ -56,17 +57,19 @@ def make_batch(seed: int, query_lens: list[int], context_lens: list[int], block_
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN
     order = torch.randperm(num_blocks, generator=g).tolist()  # scattered, out-of-order tables
     tables = [order[sum(blocks_per_seq[:i]):sum(blocks_per_seq[:i + 1])] for i in range(len(context_lens))]
-    items = [SimpleNamespace(start=c - q, num_scheduled=q, block_ids=t)
-             for q, c, t in zip(query_lens, context_lens, tables)]
-    _, meta = build_metadata(items, block_size, DEVICE)
+    table_rows = np.zeros((len(tables), max(map(len, tables))), np.int32)
+    for row, table in zip(table_rows, tables):
+        row[:len(table)] = table
+    items = [BatchItem(c - q, [0] * q, 0, i) for i, (q, c) in enumerate(zip(query_lens, context_lens))]
+    meta = build_metadata(build_batch(items, table_rows, block_size), DEVICE)
 
     num_tokens = sum(query_lens)
     fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
     q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cache = torch.full((num_blocks * block_size, 2, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     chunks, first = [], 0
-    for item, q_len, ctx in zip(items, query_lens, context_lens):
-        slots = _slots(item.block_ids, torch.arange(ctx), block_size)
+    for item, table, q_len, ctx in zip(items, tables, query_lens, context_lens):
+        slots = _slots(table, torch.arange(ctx), block_size)
         cached = slots[:item.start]
         cache[cached] = torch.randn(len(cached), 2, num_kv_heads, head_dim, generator=g).to(dtype)
         chunks.append(torch_backend.PrefillChunk(first, q_len, slots.to(DEVICE),

@@ -1,6 +1,6 @@
 """The Triton backend inside the runtime: greedy outputs identical to the torch backend.
 
-Forced with PAGED_RUNTIME_ATTENTION_BACKEND=triton (without a GPU the kernels run in
+Forced with attention_backend="triton" (without a GPU the kernels run in
 Triton's interpreter, see conftest). One workload covers the runner's varlen metadata
 for every kind of item: prompt chunks (a small token budget), prefix-cache hits (the
 workload runs twice), decodes, and speculative verification with a draft model that
@@ -14,7 +14,6 @@ import pytest
 
 from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
-from paged_runtime.attention import BACKEND_ENV
 from paged_runtime.spec_decode.truncated_draft import write_truncated_draft
 
 
@@ -42,10 +41,8 @@ def generate_twice(llm) -> list[list[int]]:
 
 def test_greedy_identical_to_torch_backend(tiny_llama_dir, tiny_draft_dir, monkeypatch):
     common = dict(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=2**20)
-    monkeypatch.setenv(BACKEND_ENV, "torch")
-    expected = generate_twice(make_llm(tiny_llama_dir, **common))
-    monkeypatch.setenv(BACKEND_ENV, "triton")
-    llm = make_llm(tiny_llama_dir, **common, speculative_config={
+    expected = generate_twice(make_llm(tiny_llama_dir, attention_backend="torch", **common))
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", **common, speculative_config={
         "method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 2})
     assert llm.engine.core.runner.attention_backend == "triton"
     assert generate_twice(llm) == expected

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
-from paged_runtime.models.ops import TorchOps
+from paged_runtime.layers.ops import TorchOps
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernels are off")
+pytestmark = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -32,7 +33,7 @@ def test_linear_matches_the_float32_product(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 77, generator=g).to(dtype)  # K not a multiple of 16: the masked tail
     w = torch.randn(301, 77, generator=g).to(dtype)  # N odd: uneven thread shares
-    out = cpu.linear(x, w)
+    out = cpu.cpu_linear(x, w, None)
     assert out.shape == (rows, 301) and out.dtype == dtype
     assert close(out, F.linear(x.float(), w.float()), dtype)
 
@@ -41,11 +42,11 @@ def test_linear_matches_the_float32_product(dtype, rows):
 def test_rms_norm_with_and_without_residual(dtype):
     g = torch.Generator().manual_seed(1)
     x, residual, weight = (torch.randn(*s, generator=g).to(dtype) for s in ((3, 96), (3, 96), (96,)))
-    out = cpu.rms_norm(x, weight, 1e-6)
+    out = cpu.cpu_rms_norm(x, None, weight, 1e-6)
     assert close(out, TorchOps.rms_norm(x, weight, 1e-6)[0], dtype)
     ref_out, ref_residual = TorchOps.rms_norm(x, weight, 1e-6, residual)
     updated = residual.clone()
-    out = cpu.rms_norm(x, weight, 1e-6, updated)
+    out = cpu.cpu_rms_norm(x, updated, weight, 1e-6)
     assert torch.equal(updated, ref_residual)  # the add is one rounding, as in PyTorch
     assert close(out, ref_out, dtype)
 
@@ -61,7 +62,7 @@ def test_rope_rotates_q_and_k_in_place_exactly_as_pytorch(dtype):
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     ref = TorchOps.rope(qkv.clone(), sizes, dim, TorchOps.rope_inputs(cos, sin, positions, dtype))
     rotated = qkv.clone()
-    cpu.rope_(rotated, heads + kv_heads, dim, positions, cos, sin)
+    cpu.cpu_rope_(rotated, heads + kv_heads, dim, positions, cos, sin)
     q, k, v = (t.view(rows, -1, dim) for t in rotated.split(sizes, dim=-1))
     assert torch.equal(q, ref[0]) and torch.equal(k, ref[1]) and torch.equal(v, ref[2])
 
@@ -69,7 +70,7 @@ def test_rope_rotates_q_and_k_in_place_exactly_as_pytorch(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     gate_up = (torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(3)) * 6).to(dtype)
-    out = cpu.silu_mul(gate_up)
+    out = cpu.cpu_silu_mul(gate_up)
     ref = TorchOps.silu_mul(gate_up)
     assert close(out, ref, dtype)
     if dtype == torch.bfloat16:  # the vector exp may move a value by one bfloat16 step, rarely
@@ -99,7 +100,7 @@ def test_paged_decode_attention(dtype, heads, kv_heads, dim, block_size):
     kv_cache = torch.randn(num_blocks * block_size, 2, kv_heads, dim, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in lens])
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
-    out = cpu.paged_decode_attention(q, kv_cache, tables, lens, block_size, dim ** -0.5)
+    out = cpu.cpu_paged_decode_attention(q, kv_cache, tables, lens, block_size, dim ** -0.5)
     ref = gathered_attention(q, kv_cache, tables, lens, block_size, dim ** -0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert (out.float() - ref).abs().max() <= tolerance
@@ -112,26 +113,29 @@ def test_attention_reads_strided_query_rows():
     q = qkv[:, :heads * dim].view(3, heads, dim)
     kv_cache = torch.randn(64, 2, kv_heads, dim)
     tables, lens = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([5, 20, 32])
-    out = cpu.paged_decode_attention(q, kv_cache, tables, lens, block_size, 0.125)
+    out = cpu.cpu_paged_decode_attention(q, kv_cache, tables, lens, block_size, 0.125)
     assert torch.allclose(out, gathered_attention(q, kv_cache, tables, lens, block_size, 0.125), atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
-    """One ``decode_layer`` call = DecoderLayer.forward on TorchOps: output, residual and the K/V it stores."""
+    """One ``cpu_decode_layer`` op = LlamaDecoderLayer.forward on TorchOps: output, residual and stored K/V."""
     from paged_runtime.attention.torch_backend import AttentionMetadata, decode_group
+    from paged_runtime.layers.linear import UnquantizedLinearMethod
+    from paged_runtime.layers.rotary import RotaryEmbedding
     from paged_runtime.models.config import ModelConfig
-    from paged_runtime.models.llama import DecoderLayer, RotaryEmbedding
+    from paged_runtime.models.llama import LlamaDecoderLayer
     config = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 96, "intermediate_size": 160,
         "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
         "attention_bias": True})
-    layer = DecoderLayer(config, dtype, torch.device("cpu"), TorchOps())
+    cpu_device, ops = torch.device("cpu"), TorchOps()
+    rope = RotaryEmbedding(16, 512, config.rope_theta, None, ops, cpu_device)
+    layer = LlamaDecoderLayer(config, rope, ops, UnquantizedLinearMethod(ops), dtype, cpu_device)
     g = torch.Generator().manual_seed(rows)
     for p in layer.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    rope = RotaryEmbedding(config, 512, torch.device("cpu"))
     block_size, lens = 16, torch.tensor([1, 40, 200, 17, 16, 33, 90, 5, 64, 2, 150][:rows])
     tables = torch.randperm(192, generator=g).view(12, 16)[:rows]  # each row owns its blocks
     positions = lens - 1
@@ -141,12 +145,11 @@ def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
     t = torch.arange(int(lens.max()))
     gather = tables[:, t // block_size] * block_size + t % block_size  # the PyTorch path's gathered context
     meta = AttentionMetadata(slots, [decode_group(0, gather, lens)], [])
-    ref_cache = kv_cache.clone()
-    rope_in = TorchOps.rope_inputs(rope.cos, rope.sin, positions, dtype)
-    ref_x, ref_residual = layer(x, residual.clone(), rope_in, ref_cache, meta)
+    layer.self_attn.attn.kv_cache = ref_cache = kv_cache.clone()
+    ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
 
-    step = cpu.DecodeStep(positions, slots, tables, lens, block_size, rope.cos, rope.sin, 6, 2, 16, 16 ** -0.5)
-    cpu.decode_layer(layer.kernel_weights(), step, kv_cache, x, residual)
+    cpu.cpu_decode_layer(x, residual, kv_cache, layer.fused_weights(), positions, slots, tables, lens, rope.cos,
+                         rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
     assert close(kv_cache, ref_cache, dtype)
     assert close(residual, ref_residual, dtype)
     if dtype == torch.float32:
@@ -155,51 +158,51 @@ def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
         assert (x.float() - ref_x.float()).abs().max() <= 2 ** -5 * ref_x.float().abs().max()
 
 
-def test_library_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path))
-    cpu.library.cache_clear()
-    try:
-        assert cpu.library() is not None
-        built = list(tmp_path.glob("cpu_ops-*.so"))
-        assert len(built) == 1
-        stamp = built[0].stat().st_mtime_ns
-        cpu.library.cache_clear()
-        assert cpu.library() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-        cpu.library.cache_clear()
-        monkeypatch.setenv(cpu.DISABLE_ENV, "0")
-        assert cpu.library() is None
-        cpu.library.cache_clear()
-        monkeypatch.delenv(cpu.DISABLE_ENV)
-        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-        monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "elsewhere"))
-        assert cpu.library() is None  # a failed build falls back to the PyTorch path
-    finally:
-        cpu.library.cache_clear()
+def test_library_is_cached_by_folder_and_falls_back_without_a_compiler(tmp_path, monkeypatch):
+    assert cpu.load(tmp_path)
+    built = list(tmp_path.glob("cpu_ops-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu.load.cache_clear()
+    assert cpu.load(tmp_path) and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert not cpu.load(tmp_path / "elsewhere")  # a failed build: the PyTorch path
+    assert cpu.max_rows() == 16  # the library loaded first stays in use; MAX_ROWS read from the C file
+
+
+def test_the_kernels_are_a_setting_read_once_from_the_environment(monkeypatch):
+    from paged_runtime.config import EngineConfig
+    from paged_runtime.layers.ops import CpuKernelOps, select_ops
+    cpu_device = torch.device("cpu")
+    monkeypatch.setenv("PAGED_RUNTIME_CPU_KERNELS", "0")
+    config = EngineConfig()
+    monkeypatch.delenv("PAGED_RUNTIME_CPU_KERNELS")
+    assert not config.cpu_kernels and EngineConfig().cpu_kernels
+    assert type(select_ops(cpu_device, torch.float32, config.cpu_kernels, config.cache_dir)) is TorchOps
+    assert type(select_ops(cpu_device, torch.float32, True, default_cache_dir())) is CpuKernelOps
+    assert type(select_ops(cpu_device, torch.float16, True, default_cache_dir())) is TorchOps
 
 
 def test_mid_size_batches_multiply_with_packed_weights(monkeypatch):
-    """Between MAX_ROWS and PACKED_MAX_ROWS rows, a bfloat16 model's matrices go through oneDNN-packed copies;
-    more rows, or any other tensor, take plain F.linear."""
+    """Between max_rows and PACKED_MAX_ROWS rows, a bfloat16 matrix goes through its oneDNN-packed copy;
+    more rows, or a layer without a packed copy, take plain F.linear."""
     from types import SimpleNamespace
 
-    from paged_runtime.models import ops
+    from paged_runtime.layers import ops
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16)
-
-    class Model:
-        def linear_weights(self):
-            return [w]
     kernel_ops = ops.CpuKernelOps()
-    kernel_ops.prepare(Model())
-    if not kernel_ops._packed:
-        pytest.skip("this torch build has no oneDNN packed linear")
+    packed = kernel_ops.pack_weight(w)
+    if packed is None:
+        pytest.skip("oneDNN cannot pack bfloat16 weights here (torch build or CPU)")
+    assert ops.CpuKernelOps(pack_budget=0).pack_weight(w) is None  # over the memory budget: no copy
     plain = []  # (packed and plain results are bitwise equal here: watch which path runs)
     monkeypatch.setattr(ops, "F", SimpleNamespace(linear=lambda *a: plain.append(a[0].shape[0]) or F.linear(*a)))
-    for rows in (cpu.MAX_ROWS + 1, 64, ops.PACKED_MAX_ROWS, ops.PACKED_MAX_ROWS + 1):
+    for rows in (cpu.max_rows() + 1, 64, ops.PACKED_MAX_ROWS, ops.PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        assert close(kernel_ops.linear(x, w, bias), F.linear(x.float(), w.float(), bias.float()), torch.bfloat16)
-    # Another tensor at the packed one's address (as after the packed one is freed) is not taken for it.
-    kernel_ops.linear(torch.randn(63, 64).to(torch.bfloat16), w.detach(), bias)
+        assert close(kernel_ops.linear(x, w, bias, packed), F.linear(x.float(), w.float(), bias.float()),
+                     torch.bfloat16)
+    kernel_ops.linear(torch.randn(63, 64).to(torch.bfloat16), w, bias, None)
     assert plain == [ops.PACKED_MAX_ROWS + 1, 63]
 
 
@@ -208,7 +211,7 @@ def test_a_nan_in_the_context_reaches_the_output_as_in_pytorch():
     kv_cache = torch.randn(32, 2, 2, 64)
     kv_cache[3, 0, 1, 5] = float("nan")  # token 3's key, KV head 1
     q = torch.randn(1, 4, 64)
-    out = cpu.paged_decode_attention(q, kv_cache, torch.tensor([[0, 1]]), torch.tensor([10]), 16, 0.125)
+    out = cpu.cpu_paged_decode_attention(q, kv_cache, torch.tensor([[0, 1]]), torch.tensor([10]), 16, 0.125)
     ref = gathered_attention(q, kv_cache, torch.tensor([[0, 1]]), torch.tensor([10]), 16, 0.125)
     assert out[0, 2:].isnan().all() and ref[0, 2:].isnan().all()  # heads 2, 3 share KV head 1
     assert torch.allclose(out[0, :2], ref[0, :2], atol=1e-5)

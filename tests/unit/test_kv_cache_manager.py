@@ -106,22 +106,33 @@ def test_free_drops_the_table_and_readmission_starts_over():
 
 
 def test_preempted_request_gets_its_whole_new_table_after_readmission():
+    """What the scheduler sends the runner: each table change once, the whole new table after a preemption,
+    and a request's full data only the first time it is scheduled."""
     # test_scheduler's preemption scenario: two identical 7-token prompts in 4 blocks of 4 slots.
     kv = KVCacheManager(4, BS)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=100)
     old, new = make_request("old", range(10, 17)), make_request("new", range(10, 17), arrival=1)
     scheduler.add_request(old)
     scheduler.add_request(new)
-    for _ in range(2):
-        step(scheduler)
-    assert kv.take_block_ids_update("old") == (0, [0, 1]) and kv.take_block_ids_update("new") == (0, [2, 3])
+    sent = [step(scheduler) for _ in range(2)]
+    assert updates(sent) == {"old": [(0, [0, 1])], "new": [(0, [2, 3])]}
+    assert [s.request_id for out in sent for s in out.scheduled if s.new_request] == ["old", "new"]
     out = step(scheduler)  # slot 8 needs a third block: "new" is preempted, "old" gets its block 3
-    assert out.num_preempted == 1
-    assert kv.take_block_ids_update("old") == (2, [3]) and kv.take_block_ids_update("new") is None
+    assert out.num_preempted == 1 and updates([out]) == {"old": [(2, [3])]}
     scheduler.finish_requests(["old"], RequestStatus.FINISHED_ABORTED)
     # old's full blocks 0 and 1 hold exactly new's first 8 tokens (same prompt, same sampled 7s).
-    assert step(scheduler).scheduled[0].num_new_tokens == 1
-    assert new.num_computed_tokens == 9 and kv.take_block_ids_update("new") == (0, [0, 1, 2])
+    out = step(scheduler)
+    assert out.scheduled[0].num_new_tokens == 1 and new.num_computed_tokens == 9
+    assert updates([out]) == {"new": [(0, [0, 1, 2])]} and out.scheduled[0].new_request is None  # runner kept it
+
+
+def updates(outputs) -> dict[str, list[tuple[int, list[int]]]]:
+    sent = {}
+    for out in outputs:
+        for s in out.scheduled:
+            if s.block_ids_update is not None:
+                sent.setdefault(s.request_id, []).append(s.block_ids_update)
+    return sent
 
 
 def step(scheduler: Scheduler):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_runtime.models.ops import TorchOps
+from paged_runtime.layers.ops import TorchOps
 
 linear = TorchOps.linear
 

@@ -19,7 +19,7 @@ def step(scheduler: Scheduler, token: int = 7) -> dict[str, int]:
     out = scheduler.schedule()
     scheduler.update_from_output(out, [[token] if s.samples else [] for s in out.scheduled])
     scheduler.check_invariants()
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    return {s.request_id: s.num_new_tokens for s in out.scheduled}
 
 
 PREFIX = list(range(100, 164))  # 64 tokens = 4 full blocks

@@ -13,7 +13,7 @@ def make_request(request_id: str, num_prompt: int, arrival: int, max_tokens: int
 
 
 def plan(out) -> dict[str, int]:
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    return {s.request_id: s.num_new_tokens for s in out.scheduled}
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
@@ -47,10 +47,10 @@ def test_finished_request_slot_is_reused_in_the_next_step():
     scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=1, max_num_batched_tokens=1000)
     scheduler.add_request(make_request("short", 5, 0, max_tokens=1))
     scheduler.add_request(make_request("next", 5, 1))
-    out = run_step(scheduler)
-    assert plan(out) == {"short": 5}
+    short = scheduler.requests["short"]
+    assert plan(run_step(scheduler)) == {"short": 5}
     assert plan(run_step(scheduler)) == {"next": 5}
-    assert out.scheduled[0].request.status == RequestStatus.FINISHED_LENGTH
+    assert short.status == RequestStatus.FINISHED_LENGTH
 
 
 def test_preemption_frees_the_latest_arrival_and_admits_nothing():
@@ -76,10 +76,10 @@ def test_stop_conditions():
     scheduler.add_request(make_request("ignore", 3, 1, ignore_eos=True))
     scheduler.add_request(make_request("stop_id", 3, 2, stop_token_ids=[2, 9]))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, [[2], [2], [9]])
-    assert [r.status for r in (s.request for s in out.scheduled)] == [
+    requests = [request for request, _ in scheduler.update_from_output(out, [[2], [2], [9]])]
+    assert [r.status for r in requests] == [
         RequestStatus.FINISHED_STOPPED, RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED]
-    assert out.scheduled[2].request.stop_reason == 9
+    assert requests[2].stop_reason == 9
     assert scheduler.schedule().finished_req_ids == ["eos", "stop_id"]
 
 

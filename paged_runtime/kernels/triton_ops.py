@@ -1,0 +1,45 @@
+"""The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv`` and ``triton_paged_attention``.
+
+Defining the ops imports no Triton: each implementation imports its kernel module
+on first call (see ``paged_runtime.kernels`` for why). They are registered for
+every device (CompositeExplicitAutograd): CUDA in production, the CPU under
+``TRITON_INTERPRET=1`` in the tests.
+"""
+from __future__ import annotations
+
+import torch
+
+LIB = torch.library.Library("paged_runtime", "FRAGMENT")
+
+LIB.define("triton_store_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
+LIB.define("triton_paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+           "Tensor block_tables, int block_size, int max_query_len, float scale, int num_kv_splits) -> Tensor")
+
+
+def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    from paged_runtime.kernels.store_kv import store_kv
+    store_kv(k, v, kv_cache, slot_mapping)
+
+
+def _paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
+                     scale: float, num_kv_splits: int) -> torch.Tensor:
+    from paged_runtime.kernels.attention import paged_attention
+    return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
+                           scale, num_kv_splits)
+
+
+LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
+LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping: None, lib=LIB)
+torch.library.register_fake("paged_runtime::triton_paged_attention",
+                            lambda q, *args: torch.empty_like(q), lib=LIB)
+
+store_kv = torch.ops.paged_runtime.triton_store_kv
+paged_attention = torch.ops.paged_runtime.triton_paged_attention
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+    """The split-KV rule of the attention kernel (host integers only)."""
+    from paged_runtime.kernels.attention import num_kv_splits as rule
+    return rule(num_seqs, num_kv_heads, max_query_len, max_seq_len)

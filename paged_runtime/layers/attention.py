@@ -1,0 +1,34 @@
+"""Attention over the paged KV cache: one module, whichever backend the step's metadata belongs to.
+
+The runner allocates each layer's cache and binds it here (``bind_kv_caches``); every step it builds the
+attention metadata for the selected backend, and ``meta.attend`` stores the new K/V and attends. The model
+never names a backend.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kv_cache: torch.Tensor | None = None  # [num_slots, 2, num_kv_heads, head_dim], bound by the runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """q [T, H, D], k / v [T, Hkv, D] -> [T, H, D]."""
+        return meta.attend(q, k, v, self.kv_cache, self.scale)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    """Give each attention layer of ``model``, in order, its cache."""
+    layers = attention_layers(model)
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
+    for layer, kv_cache in zip(layers, kv_caches):
+        layer.kv_cache = kv_cache

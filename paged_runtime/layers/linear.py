@@ -1,0 +1,179 @@
+"""Linear layers: the weights of ``y = x @ W.T (+ b)``, how they load, and a pluggable ``LinearMethod``.
+
+What ``W`` is in memory (plain, int8, int4, FP8, GGUF blocks) and how it is
+multiplied is the layer's ``LinearMethod``: ``create_weights`` registers its
+parameters, ``process_weights_after_loading`` turns the loaded tensors into the
+form ``apply`` multiplies by (packing, quantizing), ``apply`` multiplies. A new
+weight format is a new method; no model file changes.
+
+Sharding (tensor parallelism): a layer is built for rank ``tp.rank`` of
+``tp.size``. A column-parallel layer holds a slice of W's rows (output
+features); a row-parallel one a slice of its columns (input features), and sums
+its partial products over the ranks (one all-reduce). Checkpoint tensors are
+full size: the layer's ``weight_loader`` narrows each to the rank's shard and, in
+a fused matrix (q/k/v, gate/up), places it at its part's offset. With one rank
+every shard is the whole tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paged_runtime.layers.ops import TorchOps
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Which shard a layer holds: rank ``rank`` of ``size`` (``group`` for the all-reduce when size > 1)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def split(self, total: int) -> int:
+        if total % self.size:
+            raise ValueError(f"{total} does not split evenly over {self.size} tensor-parallel ranks")
+        return total // self.size
+
+
+SINGLE = TensorParallel()
+
+
+def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (which checks it saw them all).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LinearMethod:
+    """How a linear layer's weights are held and multiplied."""
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
+        """Register the layer's parameters for its (sharded) ``input_size`` x ``output_size``."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Called once every checkpoint tensor is in place."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Plain weights in the model dtype, multiplied by the op set (which may keep a packed copy)."""
+
+    def __init__(self, ops: TorchOps) -> None:
+        self.ops = ops
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
+        layer.weight = empty_parameter(layer.output_size, layer.input_size, dtype=dtype, device=device)
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        layer.packed_weight = self.ops.pack_weight(layer.weight)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.ops.linear(x, layer.weight, bias, layer.packed_weight)
+
+
+class LinearBase(nn.Module):
+    """``input_size`` and ``output_size`` are this rank's shard; ``bias`` follows the output shard."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, method: LinearMethod, dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.input_size, self.output_size, self.method, self.tp = input_size, output_size, method, tp
+        method.create_weights(self, dtype, device)
+        self.bias = empty_parameter(output_size, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy one full-size checkpoint tensor's share into ``param``."""
+        _copy(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """W's rows (output features) split over the ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, method: LinearMethod, dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(input_size, tp.split(output_size), bias, method, dtype, device, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        _copy(param, loaded.narrow(0, self.tp.rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked into one (gate and up): part i is loaded with shard_id i."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, method: LinearMethod,
+                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        self.output_sizes = [tp.split(size) for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, method, dtype, device, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.output_sizes[shard_id]
+        part = param.narrow(0, sum(self.output_sizes[:shard_id]), size)
+        _copy(part, loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matrix, split by heads; KV heads are replicated when the ranks
+    outnumber them (each rank holds the KV head its query heads read). Loaded with shard_id "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 method: LinearMethod, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.head_dim = head_dim
+        self.num_heads = tp.split(num_heads)
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks that hold the same KV head
+        if num_kv_heads >= tp.size:
+            tp.split(num_kv_heads)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, method, dtype, device, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                        "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
+        rank = self.tp.rank if shard_id == "q" else self.tp.rank // self.kv_replicas
+        _copy(param.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """W's columns (input features) split over the ranks; partial products summed by one all-reduce,
+    the bias added once after it."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, method: LinearMethod, dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(tp.split(input_size), output_size, bias, method, dtype, device, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # the bias inside the product: one rounding, as F.linear
+            return self.method.apply(self, x, self.bias)
+        out = self.tp.all_reduce(self.method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is whole on every rank
+            _copy(param, loaded)
+            return
+        size = param.shape[1]
+        _copy(param, loaded.narrow(1, self.tp.rank * size, size))
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.copy_(loaded)

@@ -1,0 +1,19 @@
+"""RMSNorm with the residual add fused in: ``norm(x, residual) -> (normed, residual + x)``."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_runtime.layers.linear import empty_parameter
+from paged_runtime.layers.ops import TorchOps
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: TorchOps, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = empty_parameter(size, dtype=dtype, device=device)
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); with no residual, (norm(x), x)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)

@@ -1,0 +1,61 @@
+"""Token embedding and LM head, split over tensor-parallel ranks by vocabulary rows.
+
+Rank r holds rows ``[r * per_rank, (r + 1) * per_rank)`` of the (padded) vocabulary. The embedding
+zeroes the ids outside its rows and sums over the ranks; the LM head gathers every rank's logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_runtime.layers.linear import SINGLE, LinearMethod, TensorParallel, empty_parameter
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, tp
+        self.per_rank = -(-vocab_size // tp.size)
+        self.first = tp.rank * self.per_rank
+        self.weight = empty_parameter(self.per_rank, hidden_size, dtype=dtype, device=device)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded[self.first:self.first + self.per_rank]
+        if rows.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
+                             f"expected ({self.vocab_size}, {param.shape[1]})")
+        param[:rows.shape[0]].copy_(rows)
+        param[rows.shape[0]:].zero_()  # padding rows past the vocabulary
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.per_rank)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the rows that are sampled; its matrix is the embedding's when the model ties them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, method: LinearMethod, dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(vocab_size, hidden_size, dtype, device, tp)
+        self.method, self.bias, self.packed_weight = method, None, None
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.method.apply(self, hidden, None)
+        if self.tp.size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
+            torch.distributed.all_gather(parts, logits, group=self.tp.group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[:, :self.vocab_size].float()

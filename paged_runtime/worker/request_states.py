@@ -1,0 +1,134 @@
+"""What the model runner keeps of each request between steps; it never sees the scheduler's ``Request``.
+
+The scheduler sends a request's full data once (``NewRequestData``: tokens so far,
+sampling parameters) the first step it is scheduled, and after that only what
+changed: the step's input tokens, and its block table's new tail. The runner writes
+those in, and appends the tokens it samples itself (accepted drafts included), so
+its copy of the token history stays exact without anything being resent.
+
+Per-row numpy arrays (block tables, sampling parameters) live here for the whole
+life of a request, so a step's batch and sampling tensors are fancy-indexed out of
+them instead of rebuilt from Python objects. A row is freed when its request
+finishes; a preempted request keeps its row (and its generator's state).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from paged_runtime.core.scheduler_output import NewRequestData
+from paged_runtime.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class OutputCounts:
+    """For penalties: every token id the request has seen (prompt or output) and its count in the output,
+    kept up to date token by token (a step costs its new tokens, not the history)."""
+    token_ids: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)
+
+    def add(self, token_id: int, count: int) -> None:
+        i = self.index.get(token_id)
+        if i is None:
+            self.index[token_id] = len(self.token_ids)
+            self.token_ids.append(token_id)
+            self.counts.append(count)
+        else:
+            self.counts[i] += count
+
+
+@dataclass(slots=True, eq=False)
+class CachedRequest:
+    request_id: str
+    row: int
+    token_ids: list[int]  # prompt + output, as far as the runner knows
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    output_counts: OutputCounts | None  # only when the request has penalties
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def write_tokens(self, start: int, token_ids: list[int]) -> None:
+        """Tokens at positions ``start ..``: overwrite what the runner had there (the scheduler's word
+        wins, e.g. a beam's chosen token), append the rest."""
+        known = len(self.token_ids)
+        for position, token_id in enumerate(token_ids, start):
+            if position < known:
+                if self.token_ids[position] != token_id:
+                    self._count(self.token_ids[position], position, -1)
+                    self.token_ids[position] = token_id
+                    self._count(token_id, position, 1)
+            else:
+                self.token_ids.append(token_id)
+                self._count(token_id, position, 1)
+
+    def _count(self, token_id: int, position: int, count: int) -> None:
+        if self.output_counts is not None and position >= self.num_prompt_tokens:
+            self.output_counts.add(token_id, count)
+
+
+class RequestStates:
+    def __init__(self, max_blocks_per_request: int, vocab_size: int, device: torch.device) -> None:
+        self.requests: dict[str, CachedRequest] = {}
+        self.device, self.vocab_size = device, vocab_size
+        self.free_rows: list[int] = []
+        self.block_tables = np.zeros((0, max_blocks_per_request), np.int32)
+        self.num_blocks = np.zeros(0, np.int64)
+        self.temperature = np.zeros(0, np.float32)
+        self.top_k = np.zeros(0, np.int64)  # vocab size = off
+        self.top_p = np.zeros(0, np.float32)
+        self.min_p = np.zeros(0, np.float32)
+
+    def __getitem__(self, request_id: str) -> CachedRequest:
+        return self.requests[request_id]
+
+    def add(self, new: NewRequestData) -> CachedRequest:
+        p = new.params
+        row = self.free_rows.pop() if self.free_rows else self._grow()
+        generator = None
+        if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i
+            generator = torch.Generator(device=self.device).manual_seed(p.seed + new.index)
+        counts = OutputCounts() if p.has_penalties else None
+        state = CachedRequest(new.request_id, row, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts)
+        if counts is not None:
+            for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
+                counts.add(token_id, 0)
+        state.write_tokens(0, new.token_ids)
+        self.temperature[row], self.top_k[row] = p.temperature, p.top_k or self.vocab_size
+        self.top_p[row], self.min_p[row] = p.top_p, p.min_p
+        self.num_blocks[row] = 0
+        self.requests[new.request_id] = state
+        return state
+
+    def remove(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    def update_blocks(self, state: CachedRequest, first: int, block_ids: list[int]) -> None:
+        """The request's table becomes its first ``first`` blocks followed by ``block_ids``."""
+        end = first + len(block_ids)
+        table = self.block_tables[state.row]
+        table[first:end] = block_ids
+        table[end:self.num_blocks[state.row]] = 0
+        self.num_blocks[state.row] = end
+
+    def block_ids(self, state: CachedRequest) -> np.ndarray:
+        return self.block_tables[state.row, :self.num_blocks[state.row]]
+
+    def _grow(self) -> int:
+        """One more row in every array (doubling their capacity when full); returns the new row."""
+        row = len(self.temperature)  # called only when every row is taken
+        capacity = max(16, 2 * len(self.temperature))
+        grow = lambda a: np.concatenate([a, np.zeros((capacity - len(a), *a.shape[1:]), a.dtype)])
+        for name in ("block_tables", "num_blocks", "temperature", "top_k", "top_p", "min_p"):
+            setattr(self, name, grow(getattr(self, name)))
+        self.free_rows.extend(range(capacity - 1, row, -1))
+        return row
