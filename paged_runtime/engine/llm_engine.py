@@ -62,7 +62,7 @@ class RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.cache_dir)
         model_config = ModelConfig.from_folder(self.model_path)
         self.core = EngineCore(config, self.model_path, model_config)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)

@@ -110,8 +110,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, tp.split(output_size), bias, method, dtype, device, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = param.shape[0]
-        _copy(param, loaded.narrow(0, self.tp.rank * size, size))
+        _copy(param, _shard(loaded, 0, self.tp.rank, param.shape[0], self.tp.size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -125,7 +124,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id]
         part = param.narrow(0, sum(self.output_sizes[:shard_id]), size)
-        _copy(part, loaded.narrow(0, self.tp.rank * size, size))
+        _copy(part, _shard(loaded, 0, self.tp.rank, size, self.tp.size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -147,8 +146,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                         "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        rank = self.tp.rank if shard_id == "q" else self.tp.rank // self.kv_replicas
-        _copy(param.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        rank, num_ranks = self.tp.rank, self.tp.size
+        if shard_id != "q":
+            rank, num_ranks = rank // self.kv_replicas, num_ranks // self.kv_replicas
+        _copy(param.narrow(0, offset, size), _shard(loaded, 0, rank, size, num_ranks))
 
 
 class RowParallelLinear(LinearBase):
@@ -169,8 +170,15 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # the bias is whole on every rank
             _copy(param, loaded)
             return
-        size = param.shape[1]
-        _copy(param, loaded.narrow(1, self.tp.rank * size, size))
+        _copy(param, _shard(loaded, 1, self.tp.rank, param.shape[1], self.tp.size))
+
+
+def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int, num_ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s ``size`` slices along ``dim`` of a full tensor of ``size * num_ranks`` (checked)."""
+    if loaded.shape[dim] != size * num_ranks:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {size * num_ranks} "
+                         f"along dimension {dim}")
+    return loaded.narrow(dim, rank * size, size)
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from paged_runtime.attention import BUILDERS
 from paged_runtime.batch import BatchItem, StepItem, build_batch, layout_order
 from paged_runtime.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from paged_runtime.layers.attention import bind_kv_caches
-from paged_runtime.sample.metadata import build_sampling_metadata
+from paged_runtime.worker.sampling_metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, SamplerOutput
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow

@@ -215,3 +215,23 @@ def test_a_nan_in_the_context_reaches_the_output_as_in_pytorch():
     ref = gathered_attention(q, kv_cache, torch.tensor([[0, 1]]), torch.tensor([10]), 16, 0.125)
     assert out[0, 2:].isnan().all() and ref[0, 2:].isnan().all()  # heads 2, 3 share KV head 1
     assert torch.allclose(out[0, :2], ref[0, :2], atol=1e-5)
+
+
+def test_the_kernels_are_torch_ops_with_fake_implementations_and_profiler_names():
+    """torch.compile traces the ops through their fake implementations; the profiler names each one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x, w, gate_up = torch.randn(3, 64), torch.randn(40, 64), torch.randn(3, 80)
+    kv_cache, q = torch.randn(64, 2, 2, 16), torch.randn(3, 4, 16)
+    tables, lens = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([5, 20, 32])
+    with FakeTensorMode() as mode:
+        f_x, f_w, f_gate_up, f_cache, f_q, f_tables, f_lens = (
+            mode.from_tensor(t) for t in (x, w, gate_up, kv_cache, q, tables, lens))
+        assert torch.ops.paged_runtime.cpu_linear(f_x, f_w, None).shape == (3, 40)
+        assert torch.ops.paged_runtime.cpu_silu_mul(f_gate_up).shape == (3, 40)
+        out = torch.ops.paged_runtime.cpu_paged_decode_attention(f_q, f_cache, f_tables, f_lens, 16, 0.25)
+        assert out.shape == (3, 4, 16)
+    with torch.profiler.profile() as prof:
+        cpu.cpu_linear(x, w, None)
+        cpu.cpu_paged_decode_attention(q, kv_cache, tables, lens, 16, 0.25)
+    names = {event.key for event in prof.key_averages()}
+    assert {"paged_runtime::cpu_linear", "paged_runtime::cpu_paged_decode_attention"} <= names

@@ -6,7 +6,7 @@ import math
 import torch
 
 from paged_runtime.core.scheduler_output import NewRequestData
-from paged_runtime.sample.metadata import build_sampling_metadata
+from paged_runtime.worker.sampling_metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, apply_penalties
 from paged_runtime.sampling_params import SamplingParams
 from paged_runtime.worker.request_states import CachedRequest, RequestStates
