@@ -1,0 +1,64 @@
+"""The runner's own request state: kept up to date from what the scheduler sends, rows reused, tables
+rewritten from the changed index, and batches built from it laid out as every backend expects."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paged_runtime.batch import BatchItem, build_batch, layout_order
+from paged_runtime.core.scheduler_output import NewRequestData
+from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.worker.request_states import RequestStates
+
+
+def new_request(request_id: str, tokens: list[int], **params) -> NewRequestData:
+    return NewRequestData(request_id, tokens, len(tokens), SamplingParams(**params), 0, frozenset({2}))
+
+
+def test_rows_are_reused_and_sampling_parameters_live_in_them():
+    states = RequestStates(8, 100, torch.device("cpu"))
+    a = states.add(new_request("a", [5, 6], temperature=0.5, top_k=7))
+    b = states.add(new_request("b", [5], top_p=0.9))
+    assert (a.row, b.row) == (0, 1)
+    assert states.temperature[a.row] == 0.5 and states.top_k[a.row] == 7 and states.top_k[b.row] == 100
+    states.remove("a")
+    c = states.add(new_request("c", [1], min_p=0.25))
+    assert c.row == 0 and states.min_p[0] == 0.25 and states.top_k[0] == 100  # nothing left of a
+    for i in range(20):  # past the first 16 rows: the arrays grow, rows stay unique
+        states.add(new_request(f"x{i}", [1]))
+    assert len({s.row for s in states.requests.values()}) == 22
+
+
+def test_block_table_is_rewritten_from_the_first_changed_block():
+    states = RequestStates(8, 100, torch.device("cpu"))
+    a = states.add(new_request("a", [5, 6]))
+    states.update_blocks(a, 0, [4, 9, 3])
+    states.update_blocks(a, 2, [7])  # copy-on-write replaced the tail block
+    assert states.block_ids(a).tolist() == [4, 9, 7]
+    states.update_blocks(a, 0, [1])  # re-admitted after a preemption: a new, shorter table
+    assert states.block_ids(a).tolist() == [1] and states.block_tables[a.row].tolist() == [1] + [0] * 7
+
+
+def test_token_history_takes_the_schedulers_tokens_and_appends_its_own_samples():
+    states = RequestStates(8, 100, torch.device("cpu"))
+    a = states.add(new_request("a", [5, 6, 7]))
+    a.write_tokens(3, [11, 12, 13])  # sampled: a token and two accepted drafts (a verification step)
+    a.write_tokens(5, [40])  # the scheduler's input for the next step says position 5 is 40 (a beam's choice)
+    assert a.token_ids == [5, 6, 7, 11, 12, 40] and a.num_output_tokens == 3
+
+
+def test_the_batch_lays_out_decodes_verifications_then_chunks_with_their_slots():
+    tables = np.array([[3, 1, 0], [2, 0, 0], [5, 4, 6]], np.int32)
+    items = [BatchItem(0, [10, 11, 12], 0, 0),  # a prompt chunk
+             BatchItem(17, [20], 0, 1),  # a decode at position 17 (block 2 of row 1: id 0)
+             BatchItem(4, [30, 31], 1, 2)]  # a verification: last token + one draft
+    order = layout_order(items)
+    assert order == [1, 2, 0]
+    batch = build_batch([items[i] for i in order], tables, 8)
+    assert (batch.num_decodes, batch.num_verifies) == (1, 1)
+    assert batch.token_ids.tolist() == [20, 30, 31, 10, 11, 12]
+    assert batch.positions.tolist() == [17, 4, 5, 0, 1, 2]
+    assert batch.query_start_loc.tolist() == [0, 1, 3, 6] and batch.seq_lens.tolist() == [18, 6, 3]
+    # position p of a table lives in slot table[p // 8] * 8 + p % 8
+    assert batch.slot_mapping.tolist() == [0 * 8 + 1, 5 * 8 + 4, 5 * 8 + 5, 3 * 8 + 0, 3 * 8 + 1, 3 * 8 + 2]
+    assert batch.block_tables.tolist() == [[2, 0, 0], [5, 4, 6], [3, 1, 0]]  # in batch order
