@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     busy = others_busy_cores()
     common = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory=2**30, max_num_seqs=max(args.batch),
                   max_num_batched_tokens=4096)
-    engines = {"kernels": LLM(**common), "eager": LLM(enforce_eager=True, **common)}
+    engines = {"kernels": LLM(cpu_kernels=True, **common), "eager": LLM(enforce_eager=True, **common)}
     assert engines["kernels"].engine.core.ops.name == "cpu-kernels", "the CPU kernels did not load (no C compiler?)"
     best: dict[str, dict[int, float]] = {name: {} for name in engines}
     for round_ in range(args.rounds):

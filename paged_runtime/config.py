@@ -16,6 +16,11 @@ CPU_KERNELS_ENV = "PAGED_RUNTIME_CPU_KERNELS"
 ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
 
 
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else value != "0"
+
+
 def default_cache_dir() -> Path:
     """``$PAGED_RUNTIME_CACHE`` or ``~/.cache/paged_runtime``."""
     env = os.environ.get(CACHE_ENV)
@@ -46,8 +51,9 @@ class EngineConfig:
     # Settings whose defaults come from the environment, read here once (not deep in the library):
     # converted models and compiled kernels ($PAGED_RUNTIME_CACHE, else ~/.cache/paged_runtime);
     cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
-    # the compiled CPU kernels on the CPU ($PAGED_RUNTIME_CPU_KERNELS=0 turns them off);
-    cpu_kernels: bool = field(default_factory=lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0")
+    # the compiled CPU kernels on the CPU: None picks them where the CPU has their vector paths (AVX-512),
+    # True / False force them on / off ($PAGED_RUNTIME_CPU_KERNELS=1 / 0);
+    cpu_kernels: bool | None = field(default_factory=lambda: _env_flag(CPU_KERNELS_ENV))
     # torch | cpu | triton instead of the automatic choice ($PAGED_RUNTIME_ATTENTION_BACKEND).
     attention_backend: str | None = field(default_factory=lambda: os.environ.get(ATTENTION_BACKEND_ENV) or None)
 

@@ -77,7 +77,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        self.ops = select_ops(self.device, self.dtype, config.cpu_kernels and not config.enforce_eager,
+        self.ops = select_ops(self.device, self.dtype, False if config.enforce_eager else config.cpu_kernels,
                               config.cache_dir)
         model = load_model(model_path, self.max_model_len, self.dtype, self.device, self.ops)
         spec = config.speculative_config

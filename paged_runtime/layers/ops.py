@@ -15,10 +15,14 @@ returns the normed input and ``residual + x``), so the add and the norm are one 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from paged_runtime.kernels import cpu as cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 
 class TorchOps:
@@ -176,9 +180,12 @@ def available_memory() -> int:
         return 0
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, cpu_kernels_on: bool, cache_dir) -> TorchOps:
-    """The one place that picks the arithmetic: the compiled CPU kernels on the CPU for float32/bfloat16
-    when ``cpu_kernels_on`` (not enforce_eager, not turned off) and they build; else plain PyTorch."""
-    if not cpu_kernels_on or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
+def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir) -> TorchOps:
+    """The one place that picks the arithmetic: the compiled CPU kernels on the CPU for float32/bfloat16 when
+    ``use_kernels`` is True, or None (auto) and the CPU has their vector paths, and they build; else PyTorch."""
+    if use_kernels is False or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
+        return TorchOps()
+    if use_kernels is None and not cpu_kernels.has_vector_paths():
+        logger.info("this CPU lacks AVX-512, where the CPU kernels lose to PyTorch: using PyTorch ops")
         return TorchOps()
     return CpuKernelOps() if cpu_kernels.load(str(cache_dir)) else TorchOps()

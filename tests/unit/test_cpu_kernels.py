@@ -175,12 +175,18 @@ def test_the_kernels_are_a_setting_read_once_from_the_environment(monkeypatch):
     from paged_runtime.layers.ops import CpuKernelOps, select_ops
     cpu_device = torch.device("cpu")
     monkeypatch.setenv("PAGED_RUNTIME_CPU_KERNELS", "0")
-    config = EngineConfig()
+    off = EngineConfig()
+    monkeypatch.setenv("PAGED_RUNTIME_CPU_KERNELS", "1")
+    on = EngineConfig()
     monkeypatch.delenv("PAGED_RUNTIME_CPU_KERNELS")
-    assert not config.cpu_kernels and EngineConfig().cpu_kernels
-    assert type(select_ops(cpu_device, torch.float32, config.cpu_kernels, config.cache_dir)) is TorchOps
+    assert (off.cpu_kernels, on.cpu_kernels, EngineConfig().cpu_kernels) == (False, True, None)
+    assert type(select_ops(cpu_device, torch.float32, off.cpu_kernels, off.cache_dir)) is TorchOps
     assert type(select_ops(cpu_device, torch.float32, True, default_cache_dir())) is CpuKernelOps
     assert type(select_ops(cpu_device, torch.float16, True, default_cache_dir())) is TorchOps
+    auto = CpuKernelOps if cpu.has_vector_paths() else TorchOps  # None: the kernels only where they pay
+    assert type(select_ops(cpu_device, torch.float32, None, default_cache_dir())) is auto
+    monkeypatch.setattr(cpu, "has_vector_paths", lambda: False)
+    assert type(select_ops(cpu_device, torch.float32, None, default_cache_dir())) is TorchOps
 
 
 def test_mid_size_batches_multiply_with_packed_weights(monkeypatch):
