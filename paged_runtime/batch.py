@@ -34,7 +34,7 @@ class BatchItem:
         return VERIFY if self.num_spec else (DECODE if len(self.token_ids) == 1 else CHUNK)
 
 
-def layout_order(items: list[BatchItem]) -> list[int]:
+def layout_order(items: list[BatchItem] | list[StepItem]) -> list[int]:
     """Indices of ``items`` in the batch's order: decodes, verifications, chunks; by start within each."""
     return sorted(range(len(items)), key=lambda i: (items[i].kind, items[i].start))
 
@@ -121,6 +121,10 @@ class StepItem:
     @property
     def num_scheduled(self) -> int:
         return self.num_new_tokens + self.num_spec
+
+    @property
+    def kind(self) -> int:
+        return VERIFY if self.num_spec else (DECODE if self.num_new_tokens == 1 else CHUNK)
 
     def batch_item(self) -> BatchItem:
         tokens = self.history[self.start:self.start + self.num_new_tokens] + self.spec_token_ids

@@ -164,7 +164,7 @@ def verify_group(batch: StepBatch, first: int, end: int, to) -> VerifyGroup:
     """Speculating items first..end-1: one context gather each, causal queries (rows padded to the longest)."""
     counts, starts = batch.query_lens[first:end], batch.starts[first:end]
     row_start, row_end = int(batch.query_start_loc[first]), int(batch.query_start_loc[end])
-    owner = batch.row_owner[row_start:row_end] - first
+    owner = np.repeat(np.arange(end - first), counts)
     offset = np.arange(row_end - row_start) - (batch.query_start_loc[first:end] - row_start)[owner]
     width, queries = int((starts + counts).max()), int(counts.max())
     query_pos = starts[:, None] + np.arange(queries)[None, :]  # [R, Q]

@@ -93,7 +93,7 @@ class ModelRunner:
             self._copy_blocks(out.block_copies)
         steps = [self._step_item(s) for s in out.scheduled]
         # Decodes, then verifications, then prompt chunks; shortest context first within each.
-        order = layout_order([s.batch_item() for s in steps])
+        order = layout_order(steps)
         items = [steps[i] for i in order]
         spec_rows = {k: self._spec_row(s) for k, s in enumerate(items) if s.num_spec}
         if self.drafter is not None:
