@@ -22,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     # Streaming: what this step added.
     delta_text: str = ""
@@ -42,3 +42,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    # Set (with finished) when the engine failed this request alone, e.g. a step it was part of raised
+    # or it can never fit the KV cache; the message is safe to show the client. Other requests go on.
+    error: str | None = None

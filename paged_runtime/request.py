@@ -27,6 +27,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed by the engine (never fits the cache, a step it was in raised)
 
     @property
     def finished(self) -> bool:

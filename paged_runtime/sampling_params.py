@@ -7,12 +7,26 @@ this class checks.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI's cap for top_logprobs
 LOGIT_BIAS_LIMIT = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 INVALID_VALUE = "invalid_value"  # OpenAI's error code for a value outside its field's domain
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request holds (vLLM's names).
+
+    CUMULATIVE: every output carries the whole text and token ids so far (plus this step's delta fields).
+    DELTA: ``text``, ``token_ids`` and ``logprobs`` hold only what this step added (streaming servers);
+    the finished output is a delta too.
+    FINAL_ONLY: one output, when the request finishes, with everything (non-streaming servers).
+    """
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class ParameterError(ValueError):
@@ -52,6 +66,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (plus the prompt's own)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,7 +13,8 @@ another copy), so tokenizing or validating ahead never waits on a step.
 
 Errors: a client's mistake raises ``ParameterError`` (a ``ValueError`` naming the field in ``param``)
 from ``process`` / ``add_request``; a full waiting queue ``EngineOverloadedError``; an engine that
-cannot serve ``EngineDeadError``.
+cannot serve ``EngineDeadError``; a request the engine had to fail alone ends its stream with
+``RequestFailedError``.
 
 ``LLM`` (offline, synchronous) uses ``LLMEngine``'s declared methods instead: there is no event loop to
 hand outputs to, and no second thread to hand work over to.
@@ -41,6 +42,10 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The step loop has stopped (a step raised, or the engine was shut down); the engine cannot serve."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (``RequestOutput.error``); the engine and other requests go on."""
 
 
 @dataclass(slots=True)
