@@ -138,5 +138,14 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
+    def check_invariants(self) -> None:
+        """The free queue holds exactly the blocks with ref 0, once each; the cache maps each hash to its block."""
+        free = list(self.free_queue)
+        assert len(free) == self.num_free_blocks == len({b.block_id for b in free}), "free queue count is off"
+        assert all(b.ref_count == 0 for b in free), "a held block is in the free queue"
+        assert sum(b.ref_count == 0 for b in self.blocks) == len(free), "a free block is missing from the queue"
+        assert all(b.ref_count >= 0 for b in self.blocks), "a negative ref count"
+        assert all(block.block_hash == h for h, block in self.cached.items()), "a block cached under a stale hash"
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks

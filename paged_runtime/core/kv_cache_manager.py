@@ -236,6 +236,7 @@ class KVCacheManager:
 
     def check_invariants(self, requests: list[Request]) -> None:
         """Debug check: ref counts equal table membership, free iff ref 0, slots cover KV."""
+        self.pool.check_invariants()
         membership = Counter(b.block_id for table in self.tables.values() for b in table)
         free_ids = {b.block_id for b in self.pool.free_queue}
         for block in self.pool.blocks:

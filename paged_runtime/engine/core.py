@@ -2,6 +2,13 @@
 
 It knows nothing of text. ``step()`` schedules, runs the forward pass and
 returns the requests that received a token (finished ones included).
+
+When the model runner raises, the step is contained: the requests it concerns (the one the
+runner could not set up, else every request of the step) are finished with
+``FINISHED_ERROR``, their blocks freed and the runner's state of them dropped, the invariants
+are checked, and ``StepFailure`` names their groups; everyone else goes on as if the step had
+not happened. An error anywhere else (the scheduler), or a failed check, propagates: the state
+cannot be trusted and the engine must stop.
 """
 from __future__ import annotations
 
@@ -22,10 +29,19 @@ from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.kv_budget import free_memory, num_kv_blocks
-from paged_runtime.worker.model_runner import ModelRunner, TokenLogprobs, allocate_kv_caches
+from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, TokenLogprobs, allocate_kv_caches
 from paged_runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+class StepFailure(Exception):
+    """A step failed for the requests of ``group_ids`` alone; they are already finished with
+    ``FINISHED_ERROR`` and the invariants hold. The cause is ``__cause__``."""
+
+    def __init__(self, group_ids: list[str]) -> None:
+        super().__init__(f"a step failed for requests {group_ids}")
+        self.group_ids = group_ids
 
 
 @dataclass(slots=True)
@@ -128,7 +144,12 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except RequestSetupError as e:  # only these requests: the rest can run next step as scheduled
+            raise self._contain(e.request_ids) from e.__cause__
+        except Exception as e:  # the forward pass or sampling: every request in it is suspect
+            raise self._contain([s.request_id for s in out.scheduled]) from e
         appended = self.scheduler.update_from_output(out, result.token_ids)
         updates = []
         for (request, tokens), logprobs, prompt_logprobs in zip(appended, result.logprobs, result.prompt_logprobs):
@@ -140,6 +161,33 @@ class EngineCore:
         if self.config.debug_checks:
             self.scheduler.check_invariants()
         return updates
+
+    def _contain(self, request_ids: list[str]) -> StepFailure:
+        requests = self.scheduler.requests
+        group_ids = sorted({requests[r].group_id for r in request_ids if r in requests})
+        self.fail_groups(group_ids)
+        return StepFailure(group_ids)
+
+    def fail_groups(self, group_ids: list[str]) -> None:
+        """Finish every sequence of these groups with FINISHED_ERROR (blocks freed, the runner's state
+        dropped at once), then check the invariants; raises if the state cannot be trusted."""
+        groups = set(group_ids)
+        failed = [rid for rid, r in self.scheduler.requests.items() if r.group_id in groups]
+        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        self.runner.retain(self.scheduler.requests)  # also rows of requests that finished normally
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Blocks held exactly by the live requests' tables, free counts consistent, no finished request
+        left in the scheduler or the runner, and (on CUDA) a device that still works."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a sticky device error surfaces here
+        scheduler = self.scheduler
+        scheduler.check_invariants()
+        live = scheduler.running + scheduler.waiting
+        assert {r.request_id for r in live} == set(scheduler.requests), "the scheduler's queues and requests differ"
+        assert not any(r.status.finished for r in live), "a finished request is still scheduled"
+        self.runner.check_invariants(scheduler.requests)
 
     def stats(self) -> CoreStats:
         """A snapshot, taken on demand (after a step, an add or an abort) rather than every step for nobody."""

@@ -17,21 +17,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 from paged_runtime.config import EngineConfig
 from paged_runtime.engine.beam_search import BeamSearchDriver, BeamSearchParams, BeamSearchSequence
-from paged_runtime.engine.core import CoreStats, EngineCore, StepUpdate
+from paged_runtime.engine.core import CoreStats, EngineCore, StepFailure, StepUpdate
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from paged_runtime.request import Request, RequestStatus, child_request_id
-from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 from paged_runtime.worker.model_runner import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,14 +155,73 @@ class LLMEngine:
         return BeamSearchDriver(self.core, self.eos_token_ids).run(prompts, params)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; an output for every request that moved (finished ones included)."""
+        """One engine step; an output for every request that moved (finished ones included).
+
+        A request the step failed (the runner raised on a batch holding it, or its own output processing
+        raised: detokenizing, stop strings, logprobs) gets a finished output with ``error`` set, its
+        blocks freed; the others go on. Raises only when the engine's state cannot be trusted.
+        """
+        try:
+            updates = self.core.step()
+        except StepFailure as failure:
+            logger.error("a step failed; failing its requests %s", failure.group_ids, exc_info=failure.__cause__)
+            return [self._error_output(group_id, failure.__cause__) for group_id in failure.group_ids]
+        except Exception:
+            logger.critical("a step failed and the engine's state cannot be trusted: every request fails",
+                            exc_info=True)
+            raise
         moved: dict[str, list[int]] = {}
-        for update in self.core.step():
-            index = self._apply(update)
-            moved.setdefault(update.request.group_id, [])
+        failed: dict[str, BaseException] = {}
+        for update in updates:
+            group_id = update.request.group_id
+            if group_id in failed:
+                continue
+            try:
+                index = self._apply(update)
+            except Exception as e:  # this request's own output processing
+                failed[group_id] = e
+                moved.pop(group_id, None)
+                continue
+            moved.setdefault(group_id, [])
             if index is not None:
-                moved[update.request.group_id].append(index)
-        return [self._make_output(group_id, indices) for group_id, indices in moved.items()]
+                moved[group_id].append(index)
+        outputs = []
+        for group_id, indices in moved.items():
+            try:
+                outputs.append(self._make_output(group_id, indices))
+            except Exception as e:
+                failed[group_id] = e
+        if failed:
+            outputs += self._fail_groups(failed)
+        return [output for output in outputs if output is not None]
+
+    def _fail_groups(self, failed: dict[str, BaseException]) -> list[RequestOutput]:
+        """Finish requests whose output processing raised (the core checks its invariants after)."""
+        for group_id, error in failed.items():
+            logger.error("request %s failed in output processing", group_id, exc_info=error)
+        try:
+            self.core.fail_groups(list(failed))
+        except Exception:
+            logger.critical("the engine's state cannot be trusted after a request failed", exc_info=True)
+            raise
+        return [self._error_output(group_id, error) for group_id, error in failed.items()]
+
+    def _error_output(self, group_id: str, error: BaseException | None) -> RequestOutput:
+        """The finished output of a request the engine failed: what it had (none of it new), finish_reason
+        "error", and a message safe to show its client (the exception's type, never its text)."""
+        state = self.states.pop(group_id)
+        params = state.params
+        completions = []
+        for index in range(params.n):
+            seq = state.sequences.get(index) if params.best_of == params.n else None
+            keep = seq is not None and params.output_kind != RequestOutputKind.DELTA
+            c = seq.completion if keep else None
+            completions.append(CompletionOutput(index, c.text if c else "", list(c.token_ids) if c else [],
+                                                c.cumulative_logprob if c else None,
+                                                list(c.logprobs) if c and c.logprobs is not None else None, "error"))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
+                             state.prompt_logprobs, state.num_cached_tokens,
+                             error=f"the engine failed this request: {type(error).__name__}")
 
     # ---- per-sequence bookkeeping ------------------------------------------------------
     def _apply(self, update: StepUpdate) -> int | None:

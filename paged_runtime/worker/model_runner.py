@@ -8,6 +8,12 @@ computes logits only where a token is sampled, and samples: one token per chunk
 that reaches its request's end, or, for a speculating request, the drafts the
 rejection sampler accepts plus one (a draft model, when configured, proposes them
 first in the same step). Inputs are built with numpy over whole arrays, not per token.
+
+A step that raises leaves nothing the next step could trip on, once the caller drops the
+failed requests (``retain``): the only request-specific work before the forward pass (setting
+up a request's state, writing its tokens and block table) is done for every request, and a
+request it fails for is named by ``RequestSetupError``; the others' state is then exactly what
+the scheduler sent, so they can simply be scheduled again.
 """
 from __future__ import annotations
 
@@ -37,6 +43,16 @@ class TokenLogprobs:
     rank: int
     top_ids: list[int]
     top_logprobs: list[float]
+
+
+class RequestSetupError(Exception):
+    """Setting up these requests' state for a step failed (e.g. a seed out of range); nothing ran.
+
+    Their partial state is already dropped; every other scheduled request's state is complete."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"could not set up requests {request_ids}")
+        self.request_ids = request_ids
 
 
 @dataclass(slots=True)
@@ -91,7 +107,7 @@ class ModelRunner:
                 self.drafter.forget(request_id)
         if out.block_copies:
             self._copy_blocks(out.block_copies)
-        steps = [self._step_item(s) for s in out.scheduled]
+        steps = self._step_items(out.scheduled)
         # Decodes, then verifications, then prompt chunks; shortest context first within each.
         order = layout_order(steps)
         items = [steps[i] for i in order]
@@ -135,6 +151,34 @@ class ModelRunner:
         return hidden, np.cumsum([s.num_scheduled for s in items])
 
     # ---- request state -----------------------------------------------------------
+    def _step_items(self, scheduled: list[ScheduledRequest]) -> list[StepItem]:
+        """Every request's item; raises ``RequestSetupError`` naming those that could not be set up."""
+        steps, failed, error = [], [], None
+        for s in scheduled:
+            try:
+                steps.append(self._step_item(s))
+            except Exception as e:  # one request's parameters: the others' state must still be complete
+                failed.append(s.request_id)
+                error = e
+        if failed:
+            self.retain(set(self.states.requests) - set(failed))
+            raise RequestSetupError(failed) from error
+        return steps
+
+    def retain(self, request_ids) -> None:
+        """Drop the state of every request not in ``request_ids`` (after a failed step)."""
+        for request_id in self.states.retain(request_ids):
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
+
+    def check_invariants(self, request_ids) -> None:
+        """The runner holds state only for ``request_ids`` (the live requests), in rows that add up."""
+        self.states.check_invariants()
+        unknown = set(self.states.requests) - set(request_ids)
+        assert not unknown, f"the runner holds state for requests that left: {sorted(unknown)}"
+        if self.drafter is not None:
+            assert set(self.drafter.computed) <= set(request_ids), "the drafter holds state for requests that left"
+
     def _step_item(self, s: ScheduledRequest) -> StepItem:
         """Bring the runner's state of ``s``'s request up to date; its item for this step."""
         state = self.states.add(s.new_request) if s.new_request is not None else self.states[s.request_id]

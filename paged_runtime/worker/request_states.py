@@ -10,6 +10,10 @@ Per-row numpy arrays (block tables, sampling parameters) live here for the whole
 life of a request, so a step's batch and sampling tensors are fancy-indexed out of
 them instead of rebuilt from Python objects. A row is freed when its request
 finishes; a preempted request keeps its row (and its generator's state).
+
+``add`` is all or nothing (a request whose parameters cannot be set up, e.g. a seed out of
+range, takes no row), and ``check_invariants`` says whether the rows still add up after a
+step failed half way.
 """
 from __future__ import annotations
 
@@ -90,19 +94,22 @@ class RequestStates:
         return self.requests[request_id]
 
     def add(self, new: NewRequestData) -> CachedRequest:
+        """The runner's state of a new request; raises, taking no row, if its parameters cannot be set up."""
         p = new.params
-        row = self.free_rows.pop() if self.free_rows else self._grow()
         generator = None
         if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i
             generator = torch.Generator(device=self.device).manual_seed(p.seed + new.index)
         counts = OutputCounts() if p.has_penalties else None
-        state = CachedRequest(new.request_id, row, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts)
+        state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts)
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)
         state.write_tokens(0, new.token_ids)
-        self.temperature[row], self.top_k[row] = p.temperature, p.top_k or self.vocab_size
-        self.top_p[row], self.min_p[row] = p.top_p, p.min_p
+        # Converted before a row is taken: a value the arrays cannot hold raises here, changing nothing.
+        values = (np.float32(p.temperature), np.int64(p.top_k or self.vocab_size), np.float32(p.top_p),
+                  np.float32(p.min_p))
+        state.row = row = self.free_rows.pop() if self.free_rows else self._grow()
+        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = values
         self.num_blocks[row] = 0
         self.requests[new.request_id] = state
         return state
@@ -111,6 +118,20 @@ class RequestStates:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.free_rows.append(state.row)
+
+    def retain(self, request_ids) -> list[str]:
+        """Drop every request not in ``request_ids`` (after a failed step); the ids dropped."""
+        dropped = [request_id for request_id in self.requests if request_id not in request_ids]
+        for request_id in dropped:
+            self.remove(request_id)
+        return dropped
+
+    def check_invariants(self) -> None:
+        """Every row is either one request's or free, never both, never twice."""
+        rows = [state.row for state in self.requests.values()]
+        assert len(set(rows)) == len(rows), "two requests share a row"
+        assert not set(rows) & set(self.free_rows), "a request's row is also free"
+        assert sorted(rows + self.free_rows) == list(range(len(self.temperature))), "a row is lost"
 
     def update_blocks(self, state: CachedRequest, first: int, block_ids: list[int]) -> None:
         """The request's table becomes its first ``first`` blocks followed by ``block_ids``."""
