@@ -19,9 +19,19 @@ Threading contract
 Failure contract
     A client's mistake raises ``ValueError`` from ``add_request`` and never
     reaches the loop. A full waiting queue raises ``EngineOverloadedError``.
-    An exception inside a step fails every in-flight request with
-    ``EngineDeadError``, marks the engine unhealthy and stops the loop; later
-    requests fail at once. No consumer is ever left waiting.
+    A request the engine fails alone (a step it was in raised; ``RequestOutput.error``)
+    ends its stream with ``RequestFailedError``; the others go on. Anything else
+    that stops the loop, whatever its type (``BaseException`` included), fails every
+    in-flight request with ``EngineDeadError``, marks the engine unhealthy and is
+    logged; later requests fail at once. No consumer is ever left waiting.
+
+Streams and ids
+    A stream holds at most one pending output (plus a terminal error): a new
+    output merges into the one not yet read (``merge_outputs``), so a reader that
+    falls behind costs memory O(its request's length), never a queue of snapshots.
+    Each stream has an engine-private key (the ``LLMEngine``'s request id); callers'
+    ids only name the live request for ``abort``. So ``stream.abort()`` can only
+    abort its own request, never a later one that reused its id.
 
 Cancellation contract
     A consumer that stops iterating early (``break``, task cancelled, client
@@ -31,49 +41,108 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_runtime.config import EngineConfig
-from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, EngineStats
+from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, EngineStats, RequestFailedError
 from paged_runtime.engine.core import CoreStats
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
 from paged_runtime.outputs import CompletionOutput, RequestOutput
-from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats", "RequestFailedError",
+           "RequestStream", "merge_outputs"]
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput, kind: RequestOutputKind) -> RequestOutput:
+    """One output standing for ``older`` then ``newer`` (a reader that has not taken ``older`` yet).
+
+    Per completion index: DELTA outputs concatenate (text, token_ids, logprobs and the delta fields);
+    CUMULATIVE and FINAL_ONLY ones take the newer completion but keep both steps' delta fields, so a
+    streaming reader loses no text. Finish reasons and the request's fields come from ``newer``. A
+    sequence only in ``older`` stays, except under a finished non-DELTA output (it holds the whole
+    answer: the n best, re-indexed). Pure: neither input is changed.
+    """
+    newer_indices = {c.index for c in newer.outputs}
+    completions = [_merge_completion(old, new, kind) for old in older.outputs for new in newer.outputs
+                   if old.index == new.index]
+    merged = {c.index for c in completions}
+    completions += [c for c in newer.outputs if c.index not in merged]
+    if kind == RequestOutputKind.DELTA or not newer.finished:
+        completions += [c for c in older.outputs if c.index not in newer_indices]
+    completions.sort(key=lambda c: c.index)
+    prompt_logprobs = newer.prompt_logprobs if newer.prompt_logprobs is not None else older.prompt_logprobs
+    return replace(newer, outputs=completions, prompt_logprobs=prompt_logprobs)
+
+
+def _merge_completion(old: CompletionOutput, new: CompletionOutput, kind: RequestOutputKind) -> CompletionOutput:
+    deltas = dict(delta_text=old.delta_text + new.delta_text,
+                  delta_token_ids=old.delta_token_ids + new.delta_token_ids,
+                  delta_logprobs=old.delta_logprobs + new.delta_logprobs)
+    if kind != RequestOutputKind.DELTA:
+        return replace(new, **deltas)
+    logprobs = new.logprobs if old.logprobs is None or new.logprobs is None else old.logprobs + new.logprobs
+    return replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids, logprobs=logprobs,
+                   **deltas)
 
 
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the finished output (``client.RequestStream``).
 
-    Filled by the loop thread (``put``), drained by one consumer on ``loop``.
-    Leaving the iteration early, or calling ``abort()``, aborts the request.
+    Filled by the loop thread (``put``), drained by one consumer on ``loop``. Holds at most one pending
+    output (later ones merge into it, see ``merge_outputs``) and the first terminal error, which is raised
+    once the pending output is taken. Leaving the iteration early, or calling ``abort()``, aborts the
+    request: the one this stream belongs to (by its private ``key``), whatever reuses its id later.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
-        self.request_id = request_id
+    def __init__(self, request_id: str, key: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self.request_id = request_id  # the caller's
         self.finished = False
+        self.output_kind = output_kind
+        self._key = key
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._engine = engine
+        self._lock = threading.Lock()  # guards the three fields below (loop thread vs consumer)
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._wake_scheduled = False
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Called from the loop thread; False when the consumer's event loop is gone."""
+        with self._lock:
+            if isinstance(item, BaseException):
+                self._error = self._error or item
+            else:
+                self._pending = item if self._pending is None else merge_outputs(self._pending, item,
+                                                                                 self.output_kind)
+            if self._wake_scheduled:
+                return True  # the consumer's loop will look at the merged state anyway
+            self._wake_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._wake)
             return True
         except RuntimeError:  # the event loop is closed: nobody will read this
+            with self._lock:
+                self._wake_scheduled = False
             return False
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_scheduled = False
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -81,27 +150,34 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            self.abort()  # cancelled while waiting: the consumer is gone
-            raise
-        if isinstance(item, BaseException):
+        while True:
+            with self._lock:
+                item, self._pending = self._pending, None
+                error = self._error
+            if item is not None or error is not None:
+                break
+            self._ready.clear()  # no wake-up is lost: ``_wake`` runs on this loop, after this
+            try:
+                await self._ready.wait()
+            except BaseException:
+                self.abort()  # cancelled while waiting: the consumer is gone
+                raise
+        if item is None:
             self.finished = True
-            raise item
+            raise error
         self.finished = item.finished
         return item
 
     def abort(self) -> None:
-        """Abort the request unless it already finished; idempotent and safe from any thread."""
+        """Abort this stream's request unless it already finished; idempotent and safe from any thread."""
         if not self.finished:
             self.finished = True
-            self._engine.abort_nowait(self.request_id)
+            self._engine._abort_key(self._key)
 
 
 @dataclass(slots=True)
 class _Submitted:
-    request_id: str
+    key: str  # the engine-private id the LLMEngine gets
     prompt: ProcessedPrompt
     params: SamplingParams
     priority: int
@@ -144,7 +220,9 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[_Submitted] = []
         self._aborts: list[str] = []
-        self._tracked: dict[str, _Tracked] = {}  # every request with a live stream; guarded by _cond
+        self._tracked: dict[str, _Tracked] = {}  # by private key: every request with a live stream; guarded by _cond
+        self._live: dict[str, str] = {}  # caller's id -> key of its live request; guarded by _cond
+        self._keys = itertools.count()
         self._stopping = False
         self._max_num_seqs_target: int | None = None  # a live change not yet fully applied; guarded by _cond
         self._reset_prefix_cache = False  # asked for, not yet done; guarded by _cond
@@ -176,7 +254,14 @@ class AsyncEngine:
             return
         finally:
             self._ready.set()
-        self._run()
+        try:
+            self._run()
+        except BaseException as e:  # whatever it is (a bug, a device error, a BaseException): fail everyone
+            logger.critical("the step loop died; every request fails and the engine is now unhealthy",
+                            exc_info=True)
+            self._die(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        self._die(EngineDeadError("the engine was shut down"))
 
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine  # the loop thread's alone (see the threading contract)
@@ -213,12 +298,14 @@ class AsyncEngine:
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt, params)
         with self._cond:
             self._check_alive()
-            if request_id in self._tracked:
+            if request_id in self._live:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._check_capacity()
-            stream = RequestStream(request_id, loop, self)
-            self._tracked[request_id] = _Tracked(stream, time.monotonic(), len(processed.token_ids))
-            self._inbox.append(_Submitted(request_id, processed, params, priority, cache_salt))
+            key = f"async-{next(self._keys)}"
+            stream = RequestStream(request_id, key, loop, self, params.output_kind)
+            self._tracked[key] = _Tracked(stream, time.monotonic(), len(processed.token_ids))
+            self._live[request_id] = key
+            self._inbox.append(_Submitted(key, processed, params, priority, cache_salt))
             self._cond.notify()
         return stream
 
@@ -241,8 +328,17 @@ class AsyncEngine:
         self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
+        """Abort the live request with the caller's id ``request_id``, if any; safe from any thread."""
         with self._cond:
-            self._aborts.append(request_id)
+            key = self._live.get(request_id)
+            if key is not None:
+                self._aborts.append(key)
+                self._cond.notify()
+
+    def _abort_key(self, key: str) -> None:
+        """Abort the request of the stream with this private key (a no-op once it has left)."""
+        with self._cond:
+            self._aborts.append(key)
             self._cond.notify()
 
     def check_health(self) -> None:
@@ -319,15 +415,9 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
                 reset, self._reset_prefix_cache = self._reset_prefix_cache, False
                 self._num_adding = len(inbox)
-            try:
-                if reset:
-                    self.engine.reset_prefix_cache()
-                self._pass(inbox, aborts)
-            except Exception as e:  # a bug or a device error: fail everyone rather than hang them
-                logger.exception("engine step failed; the engine is now unhealthy")
-                self._die(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
-                return
-        self._die(EngineDeadError("the engine was shut down"))
+            if reset:
+                self.engine.reset_prefix_cache()
+            self._pass(inbox, aborts)
 
     def _pass(self, inbox: list[_Submitted], aborts: list[str]) -> None:
         """One pass: add, abort, step once, deliver, record stats."""
@@ -363,48 +453,56 @@ class AsyncEngine:
         with self._cond:
             self._num_waiting, self._num_adding = num_waiting, 0
 
+    def _untrack(self, key: str) -> _Tracked | None:
+        """Forget a request that left (its caller's id is free again); call with ``_cond`` held."""
+        tracked = self._tracked.pop(key, None)
+        if tracked is not None and self._live.get(tracked.stream.request_id) == key:
+            del self._live[tracked.stream.request_id]
+        return tracked
+
     def _add(self, inbox: list[_Submitted]) -> None:
         for s in inbox:
             try:
-                self.engine.add_request(s.request_id, s.prompt, s.params, s.priority, s.cache_salt)
+                self.engine.add_request(s.key, s.prompt, s.params, s.priority, s.cache_salt)
             except ValueError as e:  # e.g. an id still held by the engine: only this request fails
                 with self._cond:
-                    tracked = self._tracked.pop(s.request_id, None)
+                    tracked = self._untrack(s.key)
                 if tracked is not None:
                     tracked.stream.put(e)
 
-    def _abort(self, request_ids: list[str], stats: IterationStats) -> None:
-        if not request_ids:
+    def _abort(self, keys: list[str], stats: IterationStats) -> None:
+        if not keys:
             return
-        self.engine.abort_request(request_ids)
+        self.engine.abort_request(keys)
         now = time.monotonic()
         with self._cond:
-            aborted = [(rid, t) for rid in request_ids if (t := self._tracked.pop(rid, None)) is not None]
-        for request_id, tracked in aborted:
-            tracked.stream.put(_aborted_output(request_id, tracked))
+            aborted = [t for key in keys if (t := self._untrack(key)) is not None]
+        for tracked in aborted:
+            tracked.stream.put(_aborted_output(tracked))
             stats.finished.append(FinishedRequestStats("abort", now - tracked.arrival, tracked.num_prompt_tokens,
                                                        tracked.num_generation_tokens))
 
     def _mark_scheduled(self, step_start: float, stats: IterationStats) -> None:
         """Queue time ends at the start of the first step that computed any of the request's tokens."""
         with self._cond:
-            pending = [(rid, t) for rid, t in self._tracked.items() if t.scheduled_at is None]
-        for request_id, tracked in pending:
-            if self.engine.is_scheduled(request_id):
+            pending = [(key, t) for key, t in self._tracked.items() if t.scheduled_at is None]
+        for key, tracked in pending:
+            if self.engine.is_scheduled(key):
                 tracked.scheduled_at = step_start
                 stats.queue_times.append(max(0.0, step_start - tracked.arrival))
 
     def _deliver(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         for output in outputs:
+            key = output.request_id
             with self._cond:
-                tracked = self._tracked.get(output.request_id)
-                if tracked is not None and output.finished:
-                    del self._tracked[output.request_id]
+                tracked = self._untrack(key) if output.finished else self._tracked.get(key)
             if tracked is None:
                 continue  # aborted after this step began
+            output.request_id = tracked.stream.request_id  # the caller's id, not the engine's key
             self._account(tracked, output, stats)
-            if not tracked.stream.put(output) and not output.finished:
-                self.abort_nowait(output.request_id)  # the consumer's loop is gone
+            item = RequestFailedError(output.error) if output.error is not None else output
+            if not tracked.stream.put(item) and not output.finished:
+                self._abort_key(key)  # the consumer's loop is gone
 
     def _account(self, tracked: _Tracked, output: RequestOutput, stats: IterationStats) -> None:
         num_new = sum(len(c.delta_token_ids) for c in output.outputs)
@@ -421,7 +519,8 @@ class AsyncEngine:
             tracked.num_generation_tokens += num_new
             stats.num_generation_tokens += num_new
         if output.finished:
-            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+            reason = "error" if output.error is not None else next(
+                (c.finish_reason for c in output.outputs if c.finish_reason), "stop")
             stats.finished.append(FinishedRequestStats(reason, stats.now - tracked.arrival,
                                                        tracked.num_prompt_tokens, tracked.num_generation_tokens))
 
@@ -442,13 +541,14 @@ class AsyncEngine:
         with self._cond:
             if self.dead_error is None:
                 self.dead_error = error
-            tracked = list(self._tracked.values())
+            tracked = list(self._tracked.items())
             self._tracked.clear()
+            self._live.clear()
             self._inbox.clear()
-        for t in tracked:
+        for _, t in tracked:
             t.stream.put(error)
         try:  # give the blocks back and show it in the metrics, if the engine still can
-            self.engine.abort_request([t.stream.request_id for t in tracked])
+            self.engine.abort_request([key for key, _ in tracked])
             self._finish_stats(IterationStats(time.monotonic(), 0, 0, 0.0))
         except Exception:
             logger.debug("could not abort requests after the engine failed", exc_info=True)
@@ -473,11 +573,14 @@ def _checked_waiting_limit(limit: int | None) -> int | None:
     return None if limit is None else int(limit)
 
 
-def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:
-    """The last known state of each sequence, marked aborted, so a live consumer's iteration ends cleanly."""
+def _aborted_output(tracked: _Tracked) -> RequestOutput:
+    """The last known state of each sequence (nothing of it new), marked aborted, so a live consumer's
+    iteration ends cleanly; under DELTA, empty (the consumer has the rest already)."""
     outputs = []
     for index in sorted(tracked.last_outputs):
         c = copy.copy(tracked.last_outputs[index])
+        if tracked.stream.output_kind == RequestOutputKind.DELTA:
+            c.text, c.token_ids, c.logprobs = "", [], None if c.logprobs is None else []
         c.finish_reason, c.delta_text, c.delta_token_ids, c.delta_logprobs = "abort", "", [], []
         outputs.append(c)
-    return RequestOutput(request_id, None, [], outputs, True)
+    return RequestOutput(tracked.stream.request_id, None, [], outputs, True)

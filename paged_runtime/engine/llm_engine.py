@@ -182,9 +182,9 @@ class LLMEngine:
                 failed[group_id] = e
                 moved.pop(group_id, None)
                 continue
-            moved.setdefault(group_id, [])
-            if index is not None:
-                moved[group_id].append(index)
+            indices = moved.setdefault(group_id, [])
+            if index is not None and index not in indices:  # speculation: several tokens, one entry
+                indices.append(index)
         outputs = []
         for group_id, indices in moved.items():
             try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -44,7 +45,23 @@ def greedy(max_tokens: int = 24, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
 
 
+def record_steps(engine: AsyncEngine) -> list[list[int]]:
+    """Per engine step, the new token count of each sequence that moved. (A stream may merge the outputs
+    of several steps when its reader falls behind, so per-step facts are taken at the engine.)"""
+    real_step, steps = engine.engine.step, []
+
+    def step():
+        outputs = real_step()
+        steps.append([len(c.delta_token_ids) for out in outputs for c in out.outputs])
+        return outputs
+
+    engine.engine.step = step
+    return steps
+
+
 def test_generate_streams_increments_and_matches_offline(engine, tiny_llm):
+    steps = record_steps(engine)
+
     async def run():
         return [out async for out in engine.generate(PROMPT, greedy(), request_id="a")]
 
@@ -53,7 +70,9 @@ def test_generate_streams_increments_and_matches_offline(engine, tiny_llm):
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert "".join(o.outputs[0].delta_text for o in outputs) == expected.text
     assert outputs[-1].outputs[0].token_ids == expected.token_ids
-    assert len(outputs) == 24  # one output per step, one token each
+    assert [t for o in outputs for t in o.outputs[0].delta_token_ids] == expected.token_ids
+    assert all(o.outputs[0].delta_token_ids for o in outputs)
+    assert steps == [[1]] * 24  # one output per step, one token each
 
 
 def test_concurrent_requests_from_one_loop(engine, tiny_llm):
@@ -264,6 +283,7 @@ def test_speculative_decoding_streams_several_tokens_a_step_and_counts_them(tiny
     engine = make_engine(tiny_llama_dir, stat_loggers=[recorder],
                          speculative_config={"method": "draft_model", "model": str(tiny_llama_dir),
                                              "num_speculative_tokens": 3})
+    steps = record_steps(engine)
 
     async def run():
         return [out async for out in engine.generate(PROMPT, greedy(max_tokens=21), request_id="s")]
@@ -277,7 +297,8 @@ def test_speculative_decoding_streams_several_tokens_a_step_and_counts_them(tiny
     expected = tiny_llm.generate([PROMPT], greedy(max_tokens=21), use_tqdm=False)[0].outputs[0]
     assert "".join(o.outputs[0].delta_text for o in outputs) == expected.text
     # The first token comes from the prefill; then 5 verifications of 3 drafts give 4 tokens each.
-    assert [len(o.outputs[0].delta_token_ids) for o in outputs] == [1, 4, 4, 4, 4, 4]
+    assert [t for o in outputs for t in o.outputs[0].delta_token_ids] == expected.token_ids
+    assert steps == [[1], [4], [4], [4], [4], [4]]
     assert (recorder.drafts, recorder.draft_tokens, recorder.accepted, recorder.per_position) == (
         spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.accepted_per_position) == (
         5, 15, 15, [5, 5, 5])
@@ -306,3 +327,133 @@ def test_declared_client_api(engine, tiny_llama_dir):
 
     first, second, after_reset = asyncio.run(scenario())
     assert first == 0 and second == 32 and after_reset == second
+
+
+# ---- hardening: one bad request, whatever kills the loop, slow readers, ids and aborts ----------------
+def test_a_request_the_engine_fails_ends_only_its_own_stream(engine, tiny_llm, monkeypatch):
+    """Its detokenizer raises: that stream ends with RequestFailedError, the others finish exactly."""
+    from paged_runtime.engine.client import RequestFailedError
+    from paged_runtime.engine.detokenizer import IncrementalDetokenizer
+
+    bad = greedy(50)
+    real_add_tokens = IncrementalDetokenizer.add_tokens
+
+    def add_tokens(self, token_ids):
+        if self.params is bad and self.text:
+            raise RuntimeError("undecodable")
+        return real_add_tokens(self, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens", add_tokens)
+    prompts = [f"{PROMPT} {i}" for i in range(3)]
+
+    async def text_of(stream) -> str:
+        async for out in stream:
+            pass
+        return out.outputs[0].text
+
+    async def run():
+        failing = engine.add_request("bad", PROMPT, bad)
+        others = [engine.add_request(f"ok{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+        with pytest.raises(RequestFailedError, match="^the engine failed this request: RuntimeError$"):
+            async for _ in failing:
+                pass
+        texts = await asyncio.gather(*(text_of(s) for s in others))
+        later = await text_of(engine.add_request("later", prompts[0], greedy(12)))
+        await wait_idle(engine)
+        return texts, later
+
+    texts, later = asyncio.run(asyncio.wait_for(run(), 60))
+    expected = [o.outputs[0].text for o in tiny_llm.generate(prompts, greedy(12), use_tqdm=False)]
+    assert texts == expected and later == expected[0]
+    assert engine.is_healthy
+    engine.check_health()
+    assert_idle(engine)
+
+
+class Fatal(BaseException):
+    """Not an Exception: what a bare ``except Exception`` lets through (like KeyboardInterrupt)."""
+
+
+def test_whatever_kills_the_loop_fails_every_client_and_refuses_new_ones(tiny_llama_dir, caplog):
+    engine = make_engine(tiny_llama_dir)
+    real_step, calls = engine.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Fatal("not an Exception")
+        return real_step()
+
+    engine.engine.step = step
+
+    async def run():
+        streams = [engine.add_request(f"r{i}", PROMPT, greedy(100)) for i in range(3)]
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="Fatal"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", PROMPT, greedy())
+
+    try:
+        with caplog.at_level(logging.ERROR):
+            asyncio.run(asyncio.wait_for(run(), 30))  # never hangs
+        assert not engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        assert "the step loop died" in caplog.text
+    finally:
+        engine.shutdown()
+
+
+def test_a_reader_that_does_not_read_holds_one_coalesced_output(engine, tiny_llm):
+    async def run():
+        stream = engine.add_request("slow", PROMPT, greedy(24))
+        await wait_idle(engine)  # all 24 steps ran while nobody read
+        return [out async for out in stream]
+
+    outputs = asyncio.run(asyncio.wait_for(run(), 60))
+    expected = tiny_llm.generate([PROMPT], greedy(24), use_tqdm=False)[0].outputs[0]
+    assert len(outputs) == 1 and outputs[0].finished
+    c = outputs[0].outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason) == (expected.text, expected.token_ids, "length")
+    assert (c.delta_text, c.delta_token_ids) == (expected.text, expected.token_ids)  # a streamer loses nothing
+
+
+def test_a_late_abort_never_reaches_a_new_request_with_the_same_id(engine, tiny_llm):
+    """The engine delivered "x"'s final output; before its consumer reads it, a new "x" arrives and the old
+    consumer leaves (abort). The loop takes both in one pass (the test holds its lock): only the old one is hit."""
+    async def run():
+        old = engine.add_request("x", PROMPT, greedy(2))
+        await wait_idle(engine)  # finished and delivered, not read
+        with engine._cond:  # the loop takes the add and the abort together
+            new = engine.add_request("x", PROMPT, greedy(12))
+            old.abort()
+        outputs = [out async for out in new]
+        await wait_idle(engine)
+        return outputs
+
+    outputs = asyncio.run(asyncio.wait_for(run(), 60))
+    expected = tiny_llm.generate([PROMPT], greedy(12), use_tqdm=False)[0].outputs[0]
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    assert outputs[-1].outputs[0].token_ids == expected.token_ids
+    assert {out.request_id for out in outputs} == {"x"}  # the caller's id, not the engine's key
+    assert_idle(engine)
+
+
+def test_abort_by_caller_id_reaches_the_live_request(engine):
+    async def run():
+        done = engine.add_request("y", PROMPT, greedy(2))
+        async for _ in done:
+            pass
+        live = engine.add_request("y", PROMPT, greedy(200))
+        await live.__anext__()
+        await engine.abort("y")
+        rest = [out async for out in live]
+        await wait_idle(engine)
+        return rest
+
+    rest = asyncio.run(asyncio.wait_for(run(), 60))
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert rest[-1].request_id == "y"
+    assert_idle(engine)
