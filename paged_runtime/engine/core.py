@@ -7,8 +7,8 @@ When the model runner raises, the step is contained: the requests it concerns (t
 runner could not set up, else every request of the step) are finished with
 ``FINISHED_ERROR``, their blocks freed and the runner's state of them dropped, the invariants
 are checked, and ``StepFailure`` names their groups; everyone else goes on as if the step had
-not happened. An error anywhere else (the scheduler), or a failed check, propagates: the state
-cannot be trusted and the engine must stop.
+not happened. An error anywhere else (the scheduler), a failed check, or a third forward pass
+in a row that fails, propagates: the state cannot be trusted and the engine must stop.
 """
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, To
 from paged_runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+# Forward passes that fail one after another, none succeeding between: the engine, not a batch, is broken.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class StepFailure(Exception):
@@ -114,6 +117,7 @@ class EngineCore:
         max_blocks = -(-(self.max_model_len + lookahead) // config.block_size)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
                                   self.attention_backend, max_blocks, drafter, graphs)
+        self.num_failed_steps_in_a_row = 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
                     model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
@@ -149,7 +153,11 @@ class EngineCore:
         except RequestSetupError as e:  # only these requests: the rest can run next step as scheduled
             raise self._contain(e.request_ids) from e.__cause__
         except Exception as e:  # the forward pass or sampling: every request in it is suspect
+            self.num_failed_steps_in_a_row += 1
+            if self.num_failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise  # not one bad batch: the device or the runner itself
             raise self._contain([s.request_id for s in out.scheduled]) from e
+        self.num_failed_steps_in_a_row = 0
         appended = self.scheduler.update_from_output(out, result.token_ids)
         updates = []
         for (request, tokens), logprobs, prompt_logprobs in zip(appended, result.logprobs, result.prompt_logprobs):

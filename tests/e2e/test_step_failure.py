@@ -128,3 +128,21 @@ def test_untrusted_state_raises_and_says_so(tiny_llama_dir, caplog):
         llm.engine.step()
     assert "cannot be trusted" in caplog.text
     core.runner._run = real_run
+
+
+def test_forward_passes_failing_in_a_row_mean_the_engine_is_broken(tiny_llama_dir, caplog):
+    """Not one bad batch but every batch: after the third failed step in a row, ``step`` raises."""
+    llm = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20)
+
+    def broken_run(items):
+        raise RuntimeError("device fell over")
+
+    llm.engine.core.runner._run = broken_run
+    for i in range(2):
+        llm.engine.add_request(f"r{i}", PROMPTS["a"], greedy())
+        [out] = llm.engine.step()
+        assert_failed(out)
+    llm.engine.add_request("r2", PROMPTS["a"], greedy())
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="device fell over"):
+        llm.engine.step()
+    assert "cannot be trusted" in caplog.text
