@@ -324,7 +324,8 @@ class AsyncEngine:
             stream.abort()
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with an output whose finish_reason is "abort". Unknown ids are ignored."""
+        """Abort the live request with this (caller's) id; its stream ends with finish_reason "abort". Unknown ids
+        are ignored, and so is a request that already finished (a new one may hold its id by now)."""
         self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:

@@ -60,9 +60,13 @@ class EngineStats:
 
 
 class RequestStream(Protocol):
-    """The outputs of one request, in order; iteration ends after the output with ``finished`` set.
+    """The outputs of one request, in order; iteration ends after the output with ``finished`` set, or
+    with ``RequestFailedError`` / ``EngineDeadError``.
 
-    Leaving the iteration early, or calling ``abort()``, aborts the request (idempotent, any thread).
+    A reader that falls behind gets the outputs it missed merged into one (text and deltas joined per
+    sequence, as ``params.output_kind`` says), so a slow reader costs memory O(its request's length).
+    Leaving the iteration early, or calling ``abort()``, aborts this stream's own request (idempotent, any
+    thread), never a later request that reuses its id. Outputs carry the caller's ``request_id``.
     """
     request_id: str
     finished: bool
@@ -110,7 +114,8 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request (unknown ids are ignored); its stream ends with finish_reason "abort"."""
+        """Abort the live request with this id (unknown ids are ignored); its stream ends with finish_reason
+        "abort"."""
         ...
 
     # ---- state and control -------------------------------------------------------------------
