@@ -167,9 +167,8 @@ class LLMEngine:
             logger.error("a step failed; failing its requests %s", failure.group_ids, exc_info=failure.__cause__)
             return [self._error_output(group_id, failure.__cause__) for group_id in failure.group_ids]
         except Exception:
-            logger.critical("a step failed and the engine's state cannot be trusted: every request fails",
-                            exc_info=True)
-            raise
+            logger.critical("a step failed and the engine's state cannot be trusted: every request fails")
+            raise  # with its traceback, logged where it is handled
         moved: dict[str, list[int]] = {}
         failed: dict[str, BaseException] = {}
         for update in updates:
@@ -187,10 +186,13 @@ class LLMEngine:
                 indices.append(index)
         outputs = []
         for group_id, indices in moved.items():
+            state = self.states.get(group_id)
             try:
                 outputs.append(self._make_output(group_id, indices))
             except Exception as e:
                 failed[group_id] = e
+                if state is not None:  # the error output is built from it, even if it was let go already
+                    self.states[group_id] = state
         if failed:
             outputs += self._fail_groups(failed)
         return [output for output in outputs if output is not None]
@@ -202,14 +204,17 @@ class LLMEngine:
         try:
             self.core.fail_groups(list(failed))
         except Exception:
-            logger.critical("the engine's state cannot be trusted after a request failed", exc_info=True)
+            logger.critical("the engine's state cannot be trusted after a request failed: every request fails")
             raise
         return [self._error_output(group_id, error) for group_id, error in failed.items()]
 
     def _error_output(self, group_id: str, error: BaseException | None) -> RequestOutput:
         """The finished output of a request the engine failed: what it had (none of it new), finish_reason
         "error", and a message safe to show its client (the exception's type, never its text)."""
-        state = self.states.pop(group_id)
+        state = self.states.pop(group_id, None)
+        message = f"the engine failed this request: {type(error).__name__}"
+        if state is None:  # not one of ours (beam search drives the core itself): nobody to show more
+            return RequestOutput(group_id, None, [], [], True, error=message)
         params = state.params
         completions = []
         for index in range(params.n):
@@ -220,8 +225,7 @@ class LLMEngine:
                                                 c.cumulative_logprob if c else None,
                                                 list(c.logprobs) if c and c.logprobs is not None else None, "error"))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
-                             state.prompt_logprobs, state.num_cached_tokens,
-                             error=f"the engine failed this request: {type(error).__name__}")
+                             state.prompt_logprobs, state.num_cached_tokens, error=message)
 
     # ---- per-sequence bookkeeping ------------------------------------------------------
     def _apply(self, update: StepUpdate) -> int | None:

@@ -146,3 +146,23 @@ def test_forward_passes_failing_in_a_row_mean_the_engine_is_broken(tiny_llama_di
     with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="device fell over"):
         llm.engine.step()
     assert "cannot be trusted" in caplog.text
+
+
+def test_a_fault_while_making_the_final_output_still_ends_the_request(llm, reference, monkeypatch):
+    """``_make_output`` raises after it let the finished request's state go: the client still gets its error."""
+    engine, bad = llm.engine, greedy(4)
+    real_make_output = engine._make_output
+
+    def make_output(group_id, moved):
+        state = engine.states[group_id]
+        output = real_make_output(group_id, moved)
+        if state.params is bad and output.finished:
+            raise RuntimeError("cannot build the output")
+        return output
+
+    monkeypatch.setattr(engine, "_make_output", make_output)
+    finals = run(engine, {"bad": (BAD_PROMPT, bad), **{rid: (p, greedy()) for rid, p in PROMPTS.items()}})
+    assert_failed(finals.pop("bad"))
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == reference
+    assert "bad" not in engine.states
+    assert_idle(llm)
