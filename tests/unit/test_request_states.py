@@ -62,3 +62,21 @@ def test_the_batch_lays_out_decodes_verifications_then_chunks_with_their_slots()
     # position p of a table lives in slot table[p // 8] * 8 + p % 8
     assert batch.slot_mapping.tolist() == [0 * 8 + 1, 5 * 8 + 4, 5 * 8 + 5, 3 * 8 + 0, 3 * 8 + 1, 3 * 8 + 2]
     assert batch.block_tables.tolist() == [[2, 0, 0], [5, 4, 6], [3, 1, 0]]  # in batch order
+
+
+def test_a_request_that_cannot_be_set_up_takes_no_row_and_retain_drops_the_rest():
+    """After a failed step the runner keeps only live requests, and its rows still add up."""
+    import pytest
+    states = RequestStates(8, 100, torch.device("cpu"))
+    states.add(new_request("a", [5]))
+    with pytest.raises(OverflowError):  # top_k beyond int64 (the HTTP edge refuses it too, later)
+        states.add(new_request("huge", [5], top_k=2**70))
+    sibling = NewRequestData("seed", [5], 1, SamplingParams(n=2, seed=2**64 - 1), 1, frozenset({2}))
+    with pytest.raises((RuntimeError, ValueError)):  # a parallel-sampling sibling's seed + 1 is beyond what torch takes
+        states.add(sibling)
+    assert set(states.requests) == {"a"}
+    states.check_invariants()
+    assert states.add(new_request("b", [6])).row == 1  # no row was lost
+    assert states.retain({"b"}) == ["a"]
+    states.check_invariants()
+    assert set(states.requests) == {"b"} and states.add(new_request("c", [7])).row == 0
