@@ -127,7 +127,9 @@ def test_health_answers_while_a_prompt_is_tokenized(engine, monkeypatch, path, b
     """The tokenizer blocks inside the request; /health must answer meanwhile, then the request completes."""
     stub = BlockingTokenizer(engine.tokenizer)
     monkeypatch.setattr(engine, "tokenizer", stub)
-    monkeypatch.setattr(engine._processor, "tokenizer", stub)  # where the engine's caller side tokenizes
+    # Also where EngineClient.process tokenized text before: on the starting code the stub then blocks
+    # the event loop itself, and the test fails instead of passing vacuously.
+    monkeypatch.setattr(engine._processor, "tokenizer", stub)
     app = make_app(engine)
 
     async def scenario(client):
