@@ -11,9 +11,13 @@ plus the two generation routes where OpenAI clients look without it)::
     /v1/completions, /v1/chat/completions
 
 ``/metrics`` is KServe's own (the engine writes to the default registry).
-Errors, streaming and the abort on a client's disconnect are the router's.
+Errors, streaming, the abort on a client's disconnect and the edge checks
+(415 unless JSON, 413 beyond the body limit, 400 for lone surrogates or deep
+nesting, CORS only for ``allowed_origins``) are the runtime app's.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
@@ -28,9 +32,12 @@ ROOT_PATHS = ("/v1/completions", "/v1/chat/completions")
 class OpenAIRoutes:
     """An ASGI app: 503 until ``model``'s engine is up, then the runtime's OpenAI app over that engine."""
 
-    def __init__(self, model: PagedRuntimeModel, api_key: str | None = None) -> None:
+    def __init__(self, model: PagedRuntimeModel, api_key: str | None = None, **app_options: Any) -> None:
+        """``app_options``: ``build_app``'s edge keywords (``allowed_origins``, ``max_request_body_bytes``,
+        ``max_prompts_per_request``), as ``paged-runtime serve`` takes them from its flags."""
         self.model = model
         self.api_key = api_key
+        self.app_options = app_options
         self._app: FastAPI | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -47,7 +54,7 @@ class OpenAIRoutes:
         if engine is None:
             return None
         self._app = build_app(engine, self.model.served_model_names, api_key=self.api_key,
-                              model_root=engine.model_root, include_metrics=False)
+                              model_root=engine.model_root, include_metrics=False, **self.app_options)
         return self._app
 
 

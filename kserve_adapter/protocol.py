@@ -26,7 +26,6 @@ validation, so a request is refused whole; a refusal is KServe's
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +36,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse,
 from pydantic import ConfigDict, ValidationError
 
 from paged_runtime.engine.processor import ProcessedPrompt
-from paged_runtime.entrypoints.openai.errors import OpenAIError, from_validation_error
+from paged_runtime.entrypoints.openai.errors import OpenAIError, from_validation_error, parse_json
 from paged_runtime.entrypoints.openai.protocol import SamplingFields, TokenIds
 from paged_runtime.entrypoints.openai.serving import OpenAIServing
 from paged_runtime.outputs import RequestOutput
@@ -101,10 +100,10 @@ def prepare(serving: OpenAIServing, req: PromptRequest, params: SamplingParams) 
 def v1_prepare(serving: OpenAIServing, body: object) -> list[Prepared]:
     """Every instance of a v1 body, checked and tokenized; InvalidInput for the first one that is wrong."""
     if isinstance(body, (bytes, str)):  # KServe passes the raw body on unless Content-Type says JSON (curl -d)
-        try:
-            body = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InvalidInput(f"the request body is not valid JSON: {e}") from e
+        try:  # the OpenAI routes' parser: lone surrogates and deep nesting are refused too
+            body = parse_json(body)  # type: ignore[arg-type]
+        except OpenAIError as e:
+            raise InvalidInput(e.message) from e
     if not isinstance(body, dict) or "instances" not in body:
         raise InvalidInput('the request body must be a JSON object {"instances": [...]}')
     instances = body["instances"]

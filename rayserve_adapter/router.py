@@ -34,6 +34,7 @@ deployment: this module imports only Ray Serve and the standard library.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from collections import OrderedDict
@@ -43,6 +44,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 KV_CACHE_USAGE_STAT = "kv_cache_usage"  # the model replica's record_routing_stats key
+MAX_KEY_CHARS = 64 * 1024  # a prefix this long is plenty to tell prompts apart; bounds the hashing per request
+MAX_KEYED_BODY_BYTES = 16 * 2**20  # the replica's default body limit: a larger body gets its 413 unparsed here
 
 
 class PrefixIndex:
@@ -122,31 +125,49 @@ def routing_key(path: str, body: bytes) -> str | None:
 
     Chat messages are joined as ``role: content`` lines (the chat template, which adds the same
     system text to every prompt, is the replica's business). Token-id prompts become their ids
-    as text. None for anything else, or a body that is not JSON: such requests route by load.
+    as text. Only the first ``MAX_KEY_CHARS`` count. None for anything else: a body the replica
+    will refuse with a 400 (not JSON, too deep, a lone surrogate, wrong types, too large) never
+    raises here; it routes by load and the replica gives the client its error.
     """
-    if not path.endswith(("/completions", "/chat/completions")):
+    if not path.endswith(("/completions", "/chat/completions")) or len(body) > MAX_KEYED_BODY_BYTES:
         return None
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested too deep
         return None
-    if not isinstance(data, dict):
+    key = _key_of(data) if isinstance(data, dict) else None
+    if not key:
         return None
-    if isinstance(data.get("messages"), list):
-        return "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in data["messages"] if isinstance(m, dict))
+    key = key[:MAX_KEY_CHARS]
+    try:
+        key.encode("utf-8")  # the index hashes the key's bytes
+    except UnicodeEncodeError:  # a lone surrogate: the replica answers 400
+        return None
+    return key
+
+
+def _key_of(data: dict) -> str | None:
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        return "\n".join(f"{_plain(m.get('role'))}: {_text(m.get('content'))}"
+                         for m in messages if isinstance(m, dict))
     prompt = data.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of prompts goes to one replica: route on the first
     if isinstance(prompt, list):
-        return " ".join(str(t) for t in prompt)
+        return " ".join(str(t) for t in itertools.islice(prompt, MAX_KEY_CHARS // 2) if isinstance(t, int))
     return prompt if isinstance(prompt, str) else None
+
+
+def _plain(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        return "".join(_plain(part.get("text")) for part in content if isinstance(part, dict))
     return ""
 
 

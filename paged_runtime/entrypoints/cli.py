@@ -61,9 +61,18 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use for the model; the first one labels the metrics")
     server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer <key>' on /v1 routes (or set {API_KEY_ENV})")
+                        help=f"require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /detokenize "
+                             f"(or set {API_KEY_ENV})")
     server.add_argument("--max-waiting-requests", type=positive_int, default=None,
                         help="beyond this many queued requests, answer 503 with Retry-After; None: unbounded")
+    server.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20,
+                        help="larger request bodies get 413 (e.g. 16MiB: a full-context prompt many times over)")
+    server.add_argument("--max-prompts-per-request", type=positive_int, default=256,
+                        help="most prompts in one /v1/completions 'prompt' list (each is one engine request)")
+    server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="enable CORS for exactly these origins (e.g. https://app.example.com); None: no CORS")
+    server.add_argument("--metrics-require-api-key", action="store_true",
+                        help="with --api-key, /metrics needs the key too (default: open for scrapers)")
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     server.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -137,7 +146,10 @@ def serve_http(engine, args: argparse.Namespace) -> None:
     from paged_runtime.entrypoints.openai import build_app
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = served_model_names(args)
-    app = build_app(engine, names, api_key=api_key, model_root=engine.model_root)
+    app = build_app(engine, names, api_key=api_key, model_root=engine.model_root,
+                    allowed_origins=args.allowed_origins, max_request_body_bytes=args.max_request_body_bytes,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    metrics_require_api_key=args.metrics_require_api_key)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d%s)", ", ".join(names), args.host, args.port,
                 engine.max_model_len, ", API key required" if api_key else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,

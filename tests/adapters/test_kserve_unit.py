@@ -9,11 +9,12 @@ import threading
 
 import pytest
 from fastapi import FastAPI
+from kserve.errors import InvalidInput
 from fastapi.testclient import TestClient
 
 from kserve_adapter.args import build_parser, parse_args, resolve_model
 from kserve_adapter.model import LOAD_GATE_ENV, PagedRuntimeModel
-from kserve_adapter.protocol import PromptRequest, v2_fields, v2_texts
+from kserve_adapter.protocol import PromptRequest, v1_prepare, v2_fields, v2_texts
 from kserve_adapter.server import add_engine_error_handlers
 from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
 
@@ -72,6 +73,7 @@ def test_resolve_model_from_model_dir(tmp_path):
 class FakeEngine:
     max_model_len = 64
     is_healthy = True
+    tokenizer = None  # the serving objects take their own copy of it
 
     def __init__(self) -> None:
         self.num_shutdowns = 0
@@ -153,6 +155,53 @@ def test_engine_errors_are_503_with_a_kserve_body():
         503, {"error": "the server is overloaded"}, "3")
     response = client.get("/dead")
     assert (response.status_code, response.json()) == (503, {"error": "the engine failed: boom"})
+
+
+# ---- the OpenAI routes' edge checks on KServe's app -------------------------------------------------
+class RoutesEngine(FakeEngine):
+    """Enough of an engine to build the OpenAI app; the requests here are refused before they reach it."""
+    model_root = "/models/m"
+    vocab_size = 100
+
+
+def test_openai_routes_keep_the_edge_checks():
+    """415 unless JSON, 413 beyond the body limit, 400 for a lone surrogate or deep nesting, under both
+    KServe's /openai prefix and the root /v1 paths; CORS only for the allowed origin."""
+    from kserve_adapter.openai_routes import OpenAIRoutes, mount_openai_routes
+    engine = RoutesEngine()
+    model = PagedRuntimeModel("m", ["m"], lambda: engine)
+    model.load()
+    asyncio.run(model.start_engine())
+    app = FastAPI()
+    mount_openai_routes(app, OpenAIRoutes(model, max_request_body_bytes=1024,
+                                          allowed_origins=["https://good.example"]))
+    client = TestClient(app)
+    json_type = {"Content-Type": "application/json"}
+    for path in ("/openai/v1/completions", "/v1/completions", "/openai/v1/chat/completions", "/openai/tokenize"):
+        error = client.post(path, content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"})
+        assert (error.status_code, error.json()["error"]["code"]) == (415, "unsupported_media_type"), path
+        error = client.post(path, content=b'{"prompt": "' + b"x" * 1024 + b'"}', headers=json_type)
+        assert (error.status_code, error.json()["error"]["code"]) == (413, "request_too_large"), path
+        error = client.post(path, content=b'{"model": "\\ud800"}', headers=json_type)
+        assert (error.status_code, error.json()["error"]["param"]) == (400, "model"), path
+        error = client.post(path, content=b"[" * 1000, headers=json_type)
+        assert (error.status_code, error.json()["error"]["code"]) == (400, "invalid_json"), path
+    preflight = {"Access-Control-Request-Method": "POST", "Origin": "https://good.example"}
+    allowed = client.options("/openai/v1/completions", headers=preflight)
+    assert allowed.headers["access-control-allow-origin"] == "https://good.example"
+    refused = client.options("/openai/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in refused.headers
+
+
+@pytest.mark.parametrize("raw,message", [
+    (b'{"instances": ["\\ud800"]}', "lone UTF-16 surrogate"),
+    (b'{"instances": [' + b"[" * 100_000 + b"]}", "nests deeper than"),
+    (b'{"instances": [{"prompt": "hi", "stop": ' + b"[" * 100 + b"]" * 100 + b"}]}", "nests deeper than"),
+])
+def test_v1_raw_body_is_refused_like_the_openai_routes(raw, message):
+    """A v1 body KServe passes on unparsed (no JSON Content-Type) gets the OpenAI routes' parser."""
+    with pytest.raises(InvalidInput, match=message):
+        v1_prepare(None, raw)  # refused before the serving object is needed
 
 
 # ---- v2 over gRPC --------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from rayserve_adapter import AppArgs, app  # noqa: E402
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart  # noqa: E402
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_WAITING, POLICY_PATH, EngineAutoscalingPolicy  # noqa: E402
 from rayserve_adapter.builder import ROUTER_PATH, ingress_options, model_options, placement_options  # noqa: E402
-from rayserve_adapter.router import PrefixAffinityRouter, PrefixIndex, rank_replicas, routing_key  # noqa: E402
+from rayserve_adapter.router import (MAX_KEY_CHARS, PrefixAffinityRouter, PrefixIndex, rank_replicas,  # noqa: E402
+                                     routing_key)
 
 JSON = ((b"content-type", b"application/json"),)
 
@@ -226,6 +227,40 @@ def test_routing_key(path, body, key):
     assert routing_key(path, body if isinstance(body, bytes) else json.dumps(body).encode()) == key
 
 
+REFUSED_BODIES = [  # (path, body): each gets a 400 (or 413) from the replica
+    ("/v1/completions", b"\xff\xfe not json"),
+    ("/v1/completions", b"[1, 2]"),  # a list, not an object
+    ("/v1/completions", b"[" * 100_000),  # nested past the JSON decoder's recursion guard
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 500 + b"]" * 500 + b"}"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}'),  # a lone surrogate: the key could not be hashed
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+    ("/v1/completions", b'{"prompt": 5}'),
+    ("/v1/completions", b'{"prompt": [null, "x"]}'),
+    ("/v1/completions", b'{"prompt": {"text": "x"}}'),
+    ("/v1/completions", b'{"prompt": []}'),
+    ("/v1/chat/completions", b'{"messages": "hello"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": ["user"], "content": [{"text": ["a"]}, "b", 3]}]}'),
+    ("/v1/completions", b'{"prompt": "' + b"x" * (17 * 2**20) + b'"}'),  # beyond the replica's body limit
+]
+
+
+def test_routing_key_never_raises_on_bodies_the_replica_refuses():
+    """The ingress must not fail where the replica would answer 400: such a request routes by load
+    (or on a harmless key), and every key can be hashed."""
+    for path, body in REFUSED_BODIES:
+        key = routing_key(path, body)
+        assert key is None or (isinstance(key, str) and len(key.encode("utf-8")) <= 4 * MAX_KEY_CHARS), body[:80]
+
+
+def test_routing_key_falls_back_to_load_routing_for_what_it_cannot_use():
+    assert routing_key("/v1/completions", b"[" * 100_000) is None
+    assert routing_key("/v1/completions", b'{"prompt": "a\\ud800b"}') is None
+    assert routing_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"text": 5}]}]}') == "user: "
+    long = "y" * (MAX_KEY_CHARS + 1000)
+    assert routing_key("/v1/completions", json.dumps({"prompt": long}).encode()) == long[:MAX_KEY_CHARS]
+
+
 class FakeReplica:
     """What Serve's router reads from a RunningReplica."""
 
@@ -318,6 +353,28 @@ def test_forward_runs_the_openai_app_and_a_closed_stream_aborts(replica):
         await stream.aclose()  # what a cancelled handle call does to the generator
         await wait_idle(replica.engine)
         assert replica.record_routing_stats()["num_aborted_requests"] == aborted_before + 1
+
+    asyncio.run(scenario())
+
+
+def test_forward_keeps_the_http_edge_checks(replica):
+    """What reaches a replica through the ingress meets the same 415 / 413 / 400 as a direct client."""
+    async def status_and_error(request: ForwardedRequest) -> tuple[int, dict]:
+        parts = [p async for p in replica.forward(request)]
+        return parts[0].status, json.loads(b"".join(parts[1:]))["error"]
+
+    async def scenario():
+        body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+        plain = ForwardedRequest("POST", "/v1/completions", b"", ((b"content-type", b"text/plain"),), body)
+        assert (await status_and_error(plain))[0] == 415
+        huge = b'{"prompt": "' + b"x" * (16 * 2**20) + b'"}'
+        assert (await status_and_error(ForwardedRequest("POST", "/v1/completions", b"", JSON, huge)))[0] == 413
+        surrogate = ForwardedRequest("POST", "/v1/completions", b"", JSON, b'{"prompt": "\\ud800"}')
+        status, error = await status_and_error(surrogate)
+        assert (status, error["param"], error["code"]) == (400, "prompt", "invalid_unicode")
+        deep = ForwardedRequest("POST", "/v1/chat/completions", b"", JSON, b"[" * 100_000)
+        status, error = await status_and_error(deep)
+        assert (status, error["code"]) == (400, "invalid_json")
 
     asyncio.run(scenario())
 

@@ -6,9 +6,17 @@ are parsed and validated inside the routes and every failure is turned into
 an OpenAI error body by the router's own route class, so the host app needs
 no exception handlers of ours.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models
-(these three need ``Authorization: Bearer <api_key>`` when a key is set),
-GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+POST /tokenize, POST /detokenize (these five need ``Authorization: Bearer
+<api_key>`` when a key is set), GET /health, GET /version (always open),
+GET /metrics (open unless ``metrics_require_api_key``).
+
+The edge, before any work: a POST body must be ``Content-Type:
+application/json`` (415 otherwise: a web page cannot drive the server with a
+"simple" cross-origin request) and at most ``RequestLimits.max_body_bytes``
+(413, checked on Content-Length and while a chunked body is read, never
+reading past the limit); ``parse_json`` refuses lone surrogates and deep
+nesting with a 400. CORS is off unless ``build_app`` gets ``allowed_origins``.
 
 A client that disconnects aborts its request: streaming responses watch for
 the disconnect while they send; non-streaming ones race the generation
@@ -24,6 +32,7 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
@@ -31,10 +40,12 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from paged_runtime.engine.client import EngineClient
-from paged_runtime.entrypoints.openai.errors import OpenAIError, bad_request, from_exception, parse_json, unauthorized
+from paged_runtime.entrypoints.openai.errors import (OpenAIError, bad_request, from_exception, parse_json,
+                                                    payload_too_large, unauthorized, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                        TokenizeRequest)
-from paged_runtime.entrypoints.openai.serving import OpenAIServing, StreamingResult
+from paged_runtime.entrypoints.openai.serving import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                                     OpenAIServing, RequestLimits, StreamingResult)
 from paged_runtime.entrypoints.openai.serving_chat import ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
 
@@ -108,8 +119,39 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _parse(request: Request, model: type[ModelT]) -> ModelT:
-    data = parse_json(await request.body())
+async def _parse(request: Request, model: type[ModelT], max_body_bytes: int) -> ModelT:
+    """The body as ``model``, after the edge checks (see the module docstring); decoded on a worker
+    thread, so a large body does not hold up the event loop."""
+    _check_json_content_type(request)
+    body = await _read_body(request, max_body_bytes)
+    return await anyio.to_thread.run_sync(_decode, body, model)
+
+
+def _check_json_content_type(request: Request) -> None:
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise unsupported_media_type(content_type)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes (nothing more is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise bad_request(f"Invalid Content-Length header: {declared!r}")
+        if int(declared) > limit:
+            raise payload_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise payload_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(body: bytes, model: type[ModelT]) -> ModelT:
+    data = parse_json(body)
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object")
     return model.model_validate(data)
@@ -140,17 +182,24 @@ def default_served_model_names(engine: EngineClient) -> list[str]:
 
 def build_router(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
                  api_key: str | None = None, registry: CollectorRegistry | None = None,
-                 model_root: str | None = None, include_metrics: bool = True) -> APIRouter:
+                 model_root: str | None = None, include_metrics: bool = True,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 metrics_require_api_key: bool = False) -> APIRouter:
     """All routes over ``engine``. ``registry`` is what /metrics shows (default: the global REGISTRY);
-    hosts with a /metrics of their own (KServe) pass ``include_metrics=False`` and share the registry."""
+    hosts with a /metrics of their own (KServe) pass ``include_metrics=False`` and share the registry.
+    ``max_request_body_bytes`` (413 beyond) and ``max_prompts_per_request`` (a completions ``prompt``
+    list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key."""
     from paged_runtime import __version__
     served_model_names = list(served_model_names or default_served_model_names(engine))
-    completions = CompletionServing(engine, served_model_names)
-    chat = ChatServing(engine, served_model_names)
+    limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
+    completions = CompletionServing(engine, served_model_names, limits)
+    chat = ChatServing(engine, served_model_names, limits)
     created = int(time.time())
     root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
     auth = [Depends(api_key_checker(api_key))]
+    max_body = limits.max_body_bytes
 
     async def respond(request: Request, serving: CompletionServing | ChatServing, body: BaseModel) -> Response:
         result = await serving.create(body)  # type: ignore[arg-type]
@@ -160,13 +209,13 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
 
     @router.post("/v1/completions", dependencies=auth)
     async def create_completion(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, max_body)
         response = await _until_disconnect(request, respond(request, completions, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @router.post("/v1/chat/completions", dependencies=auth)
     async def create_chat_completion(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, max_body)
         response = await _until_disconnect(request, respond(request, chat, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -186,18 +235,20 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     async def version() -> dict:
         return {"version": __version__}
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict:
-        return _tokenize(chat, await _parse(request, TokenizeRequest))
+        body = await _parse(request, TokenizeRequest, max_body)
+        return await chat.tokenizer_worker.run(_tokenize, chat, body)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict:
-        return _detokenize(chat, await _parse(request, DetokenizeRequest))
+        body = await _parse(request, DetokenizeRequest, max_body)
+        return await chat.tokenizer_worker.run(_detokenize, chat, body)
 
     if include_metrics:
         source = registry if registry is not None else REGISTRY
 
-        @router.get("/metrics")
+        @router.get("/metrics", dependencies=auth if metrics_require_api_key else [])
         async def metrics() -> Response:
             return Response(generate_latest(source), media_type=CONTENT_TYPE_LATEST)
 
@@ -205,10 +256,11 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
 
 
 def _tokenize(serving: ChatServing, req: TokenizeRequest) -> dict:
+    """/tokenize's body; runs on ``serving``'s tokenizer worker."""
     serving.resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt")
-    tokenizer = serving.engine.tokenizer
+    tokenizer = serving.tokenizer_worker.tokenizer
     if req.messages is not None:
         text, _ = serving.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs)
@@ -221,22 +273,36 @@ def _tokenize(serving: ChatServing, req: TokenizeRequest) -> dict:
 
 
 def _detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict:
+    """/detokenize's body; runs on ``serving``'s tokenizer worker."""
     serving.resolve_model(req.model)
     vocab_size = serving.engine.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is out of range for vocabulary size {vocab_size}", param="tokens")
-    return {"prompt": serving.engine.tokenizer.decode(req.tokens)}
+    return {"prompt": serving.tokenizer_worker.tokenizer.decode(req.tokens)}
 
 
 def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = None, *, api_key: str | None = None,
               registry: CollectorRegistry | None = None, model_root: str | None = None,
-              include_metrics: bool = True) -> FastAPI:
-    """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down)."""
+              include_metrics: bool = True, allowed_origins: Sequence[str] | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              metrics_require_api_key: bool = False) -> FastAPI:
+    """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
+
+    ``allowed_origins``: CORS for exactly these origins (Starlette's CORSMiddleware); None or empty: no
+    CORS, so browsers refuse cross-origin reads and preflights. The other keywords are build_router's.
+    """
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
     app.include_router(build_router(engine, served_model_names, api_key=api_key, registry=registry,
-                                    model_root=model_root, include_metrics=include_metrics))
+                                    model_root=model_root, include_metrics=include_metrics,
+                                    max_request_body_bytes=max_request_body_bytes,
+                                    max_prompts_per_request=max_prompts_per_request,
+                                    metrics_require_api_key=metrics_require_api_key))
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,12 @@
 Every error the routes return has the shape ``{"error": {"message", "type",
 "param", "code"}}``. A client's mistake is a 4xx whose ``param`` names the
 field; the engine being full or down is a 503; nothing a client sends can
-produce a 500.
+produce a 500. A message may quote the client's text: it is made encodable
+(lone surrogates escaped) when the error is built, so answering never fails.
+
+``parse_json`` is the only way a body becomes data: it refuses what would
+break a later layer (a lone UTF-16 surrogate anywhere, nesting deeper than
+``MAX_JSON_DEPTH``) with a 400, so nothing past it meets such a string.
 """
 from __future__ import annotations
 
@@ -18,12 +23,16 @@ from paged_runtime.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
 
+# OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs may add a few levels.
+MAX_JSON_DEPTH = 64
+
 
 class OpenAIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message, param = encodable(message), None if param is None else encodable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -41,6 +50,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def payload_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
+                       code="request_too_large")
+
+
+def unsupported_media_type(content_type: str) -> OpenAIError:
+    return OpenAIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}.",
+                       code="unsupported_media_type")
+
+
+def encodable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape (``\\ud800``), so it can be UTF-8 encoded."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def unauthorized(message: str) -> OpenAIError:
@@ -102,8 +130,49 @@ def _is_union_tag(part: str) -> bool:
 
 
 def parse_json(body: bytes) -> object:
+    """The body as data; a 400 for invalid JSON, nesting deeper than MAX_JSON_DEPTH or a lone surrogate."""
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:  # the C decoder's own depth guard: no Python stack was harmed
+        raise _too_deep() from e
+    check_json_tree(data)
+    return data
+
+
+def check_json_tree(data: object) -> None:
+    """Raises a 400 if ``data`` nests deeper than MAX_JSON_DEPTH or holds a string (key or value) that
+    is not valid Unicode (JSON's ``\\ud800`` escape decodes to a lone surrogate). Iterative: no recursion."""
+    if isinstance(data, str):
+        _check_string(data, ())
+    stack: list[tuple[object, tuple]] = [(data, ())] if isinstance(data, (dict, list)) else []  # containers
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise _too_deep()
+        items = node.items() if isinstance(node, dict) else enumerate(node)  # type: ignore[union-attr]
+        for key, value in items:
+            if type(key) is str:
+                _check_string(key, path)
+            if type(value) is str:
+                _check_string(value, path + (key,))
+            elif isinstance(value, (dict, list)):
+                stack.append((value, path + (key,)))
+
+
+def _check_string(text: str, path: tuple) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or None
+        raise bad_request(f"Invalid string{f' in {param!r}' if param else ''}: it holds a lone UTF-16 surrogate "
+                          f"at position {e.start}; strings must be valid Unicode.", param=param,
+                          code="invalid_unicode") from None
+
+
+def _too_deep() -> OpenAIError:
+    return bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json")
 

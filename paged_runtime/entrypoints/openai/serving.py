@@ -6,15 +6,22 @@ The routes check only what is theirs (unsupported fields, route-specific
 combinations, the context length as OpenAI words it); ``SamplingParams`` and
 ``EngineClient.process`` check the rest, and their ``ParameterError`` names
 the field.
+
+Tokenizing and chat-template rendering run off the event loop, on each
+serving object's ``TokenizerWorker``, so a multi-megabyte prompt never stops
+the server from answering (``/health`` included) while it is tokenized.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from paged_runtime.engine.client import EngineClient, RequestStream
 from paged_runtime.engine.processor import ProcessedPrompt, PromptType
@@ -24,16 +31,54 @@ from paged_runtime.outputs import Logprob, RequestOutput
 from paged_runtime.sampling_params import ParameterError, SamplingParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
+# A 128k-token context is ~0.5 MB as text and ~1 MB as JSON token ids: 16 MiB holds a full-context
+# prompt many times over, yet bounds what one request makes the server buffer, parse and tokenize.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+# Each prompt of a completions list is its own engine request: one request may fill a default batch
+# (max_num_seqs 256), not the waiting queue by thousands.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one HTTP request may ask for; beyond it, a 4xx before any work (``n`` is capped by max_num_seqs)."""
+    max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.max_prompts_per_request < 1:
+            raise ValueError("request limits must be positive")
+
+
+class TokenizerWorker:
+    """A private copy of the tokenizer and the one thread that ever uses it.
+
+    A Hugging Face fast tokenizer raises "Already borrowed" when two threads use it at once; owning
+    both the copy and the only thread that touches it rules that out, and keeps long tokenizations
+    off the event loop (the Rust tokenizer releases the GIL while it works).
+    """
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the worker thread; ``fn`` may use ``self.tokenizer``."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
 
 class OpenAIServing:
     """Holds the engine and the served model names; subclasses implement one route each."""
 
-    def __init__(self, engine: EngineClient, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
+                 limits: RequestLimits | None = None) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        self.limits = limits or RequestLimits()
+        self.tokenizer_worker = TokenizerWorker(engine.tokenizer)
 
     # ---- request checks -----------------------------------------------------------------
     def resolve_model(self, requested: str | None) -> str:
@@ -78,8 +123,17 @@ class OpenAIServing:
         except ParameterError as e:
             raise from_parameter_error(e, (fields or {}).get(e.param)) from e
 
-    def process(self, prompt: PromptType, params: SamplingParams, prompt_param: str) -> ProcessedPrompt:
-        """Tokenize and validate one prompt; prompt + max_tokens beyond the context is a 400 naming both."""
+    async def process_off_loop(self, prompt: PromptType, params: SamplingParams, prompt_param: str) -> ProcessedPrompt:
+        """``process`` on the tokenizer worker, with the worker's tokenizer: what the routes use."""
+        return await self.tokenizer_worker.run(self.process, prompt, params, prompt_param,
+                                               self.tokenizer_worker.tokenizer)
+
+    def process(self, prompt: PromptType, params: SamplingParams, prompt_param: str,
+                tokenizer: object | None = None) -> ProcessedPrompt:
+        """Tokenize and validate one prompt on the calling thread; prompt + max_tokens beyond the context is
+        a 400 naming both. A text prompt is tokenized by ``tokenizer`` if given (as the engine's would)."""
+        if isinstance(prompt, str) and tokenizer is not None:
+            prompt = {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
         try:
             processed = self.engine.process(prompt, params)
         except ParameterError as e:

@@ -35,9 +35,9 @@ class ChatServing(OpenAIServing):
         fields = {"logprobs": "top_logprobs",
                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, max_tokens, logprobs, fields=fields)
-        text, token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                      req.chat_template_kwargs)
-        processed = self.process({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")
+        text, token_ids = await self.tokenizer_worker.run(self.render, req.messages, req.add_generation_prompt,
+                                                          req.continue_final_message, req.chat_template_kwargs)
+        processed = await self.process_off_loop({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")
         request_id = new_id("chatcmpl")
         streams = self.submit(request_id, [processed], params, req)
         if req.stream:
@@ -47,8 +47,9 @@ class ChatServing(OpenAIServing):
     # ---- the prompt ------------------------------------------------------------------------
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                template_kwargs: dict | None) -> tuple[str, list[int]]:
-        """The chat template applied to ``messages``: (text, token ids). Raises a 400 naming what is wrong."""
-        tokenizer = self.engine.tokenizer
+        """The chat template applied to ``messages``: (text, token ids). Raises a 400 naming what is wrong.
+        Uses the worker's tokenizer: call it on the worker (``self.tokenizer_worker.run``)."""
+        tokenizer = self.tokenizer_worker.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
         if add_generation_prompt and continue_final_message:

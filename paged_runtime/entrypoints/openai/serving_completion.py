@@ -57,7 +57,11 @@ class CompletionServing(OpenAIServing):
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
                                       prompt_logprobs=echo_logprobs)
-        processed = [self.process(p, params, "prompt") for p in _prompts(req.prompt)]
+        prompts = _prompts(req.prompt)
+        if len(prompts) > self.limits.max_prompts_per_request:
+            raise bad_request(f"prompt holds {len(prompts)} prompts; this server takes at most "
+                              f"{self.limits.max_prompts_per_request} per request", param="prompt")
+        processed = [await self.process_off_loop(p, params, "prompt") for p in prompts]
         request_id = new_id("cmpl")
         streams = self.submit(request_id, processed, params, req)
         if req.stream:
