@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from paged_runtime.engine.client import EngineClient
+from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import OpenAIError, bad_request, from_exception, parse_json, unauthorized
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                        TokenizeRequest)
@@ -231,8 +232,9 @@ def _detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict:
 
 def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = None, *, api_key: str | None = None,
               registry: CollectorRegistry | None = None, model_root: str | None = None,
-              include_metrics: bool = True) -> FastAPI:
-    """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down)."""
+              include_metrics: bool = True, drain: Drain | None = None) -> FastAPI:
+    """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
+    ``drain``: while it drains, every request is a 503 ``server_shutting_down`` (see ``drain.py``)."""
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
     app.include_router(build_router(engine, served_model_names, api_key=api_key, registry=registry,
@@ -247,4 +249,6 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
         return OpenAIError(405, f"method {request.method} is not allowed on {request.url.path}",
                            code="method_not_allowed").response()
 
+    if drain is not None:
+        app.add_middleware(DrainMiddleware, drain=drain)
     return app
