@@ -99,13 +99,13 @@ async def drain_then_stop(drain: Drain, timeout: float, stop_engine: Callable[[]
     seconds, or at once when ``hurry`` is set (a second signal). The caller stops the server after.
     """
     drain.start()
-    logger.info("shutting down: refusing new requests; %d in flight get up to %.0f s to finish",
+    logger.info("shutting down: refusing new requests; %d in flight get up to %g s to finish",
                 drain.in_flight, timeout)
     if not await _idle_or_hurry(drain, timeout, hurry):
         logger.warning("shutting down: %d request(s) still running; ending them with an error", drain.in_flight)
         await asyncio.to_thread(stop_engine)
         if not await drain.wait_idle(RESPONSE_GRACE_S):
-            logger.error("shutting down: %d response(s) did not end in %.0f s", drain.in_flight, RESPONSE_GRACE_S)
+            logger.error("shutting down: %d response(s) did not end in %g s", drain.in_flight, RESPONSE_GRACE_S)
 
 
 async def _idle_or_hurry(drain: Drain, timeout: float, hurry: asyncio.Event | None) -> bool:
