@@ -1,12 +1,12 @@
 """Graceful shutdown of ``paged-runtime serve`` (issue 19, item 6), on a real server process.
 
-One server with ``--shutdown-timeout 2`` gets SIGTERM while three requests are in flight: a short stream
-that finishes inside the timeout, and a long stream and a long non-streaming request that cannot (1000
-tokens with logprobs take the tiny model several seconds; the short one takes a fraction of one). After
-the signal: /health and new requests are 503 ``server_shutting_down``; the short stream ends normally;
-the long stream gets its content, an error event and ``[DONE]``; the non-streaming one an OpenAI 503
-body; the process exits 0. Waits are on events (the first chunk, /metrics, /health); every timeout is
-a hang guard only.
+Two servers, each sent SIGTERM with requests in flight. With a timeout that is only a hang guard
+(``--shutdown-timeout 600``): /health and new requests turn 503 ``server_shutting_down`` while a
+stream runs on and ends normally, and the process exits 0 as soon as it has (not 600 s later). With
+``--shutdown-timeout 0.5``: a long stream and a long non-streaming request (1000 tokens with logprobs
+take the tiny model seconds) are ended by the engine's shutdown: the stream with its content, an error
+event and ``[DONE]``, the other with an OpenAI 503 body; the process exits 0. Waits are on events (the
+first chunk, /metrics, /health); every timeout is a hang guard only.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import httpx
 from .conftest import free_socket
 from .test_cli import run_cli
 
-SHUTDOWN_TIMEOUT = "2"
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "logprobs": 5}
-SHORT = {"model": "tiny", "prompt": "Hi", "max_tokens": 16, "ignore_eos": True}
+MEDIUM = {"model": "tiny", "prompt": "Hello", "max_tokens": 64, "ignore_eos": True}  # 64 steps: runs on after SIGTERM
+SHORT = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
 HANG_GUARD = 60.0
 
 
@@ -83,8 +83,40 @@ def payloads(events: list[str]) -> list[dict]:
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
 
-def test_sigterm_drains_then_ends_the_rest_with_errors_and_exits_0(tiny_llama_dir):
-    proc, url = start_server(tiny_llama_dir, "--shutdown-timeout", SHUTDOWN_TIMEOUT)
+def test_sigterm_refuses_new_requests_and_lets_the_ones_in_flight_finish_then_exits_0(tiny_llama_dir):
+    proc, url = start_server(tiny_llama_dir, "--shutdown-timeout", "600")
+    try:
+        with httpx.Client(timeout=HANG_GUARD) as client:
+            stream = Stream(client, url, MEDIUM)
+            stream.first()
+            proc.send_signal(signal.SIGTERM)
+
+            # no new work: /health says 503 (load balancers drain), and so does a new request
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, "/health to turn 503")
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.json()["error"]["code"] == "server_shutting_down"
+            refused = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json() == {"error": {"message": "The server is shutting down; retry the request on "
+                                                           "another replica.", "type": "server_error", "param": None,
+                                                "code": "server_shutting_down"}}
+
+            # the request in flight finishes normally
+            chunks = payloads(stream.rest())
+            assert all("error" not in p for p in chunks)
+            assert [c["finish_reason"] for p in chunks for c in p["choices"]][-1] == "length"
+            assert len(chunks) >= 2
+        out, _ = proc.communicate(timeout=HANG_GUARD)  # not 600 s: it stops once nothing is in flight
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "still running" not in out
+
+
+def test_sigterm_ends_what_cannot_finish_in_time_with_openai_errors_and_exits_0(tiny_llama_dir):
+    proc, url = start_server(tiny_llama_dir, "--shutdown-timeout", "0.5")
     try:
         unary: dict = {}
 
@@ -95,38 +127,21 @@ def test_sigterm_drains_then_ends_the_rest_with_errors_and_exits_0(tiny_llama_di
         unary_thread.start()
         wait_for(lambda: running_requests(url) >= 1, "the non-streaming request to run")
         with httpx.Client(timeout=HANG_GUARD) as client:
-            long_stream = Stream(client, url, LONG)
-            assert long_stream.first()["choices"][0]["finish_reason"] is None
-            short_stream = Stream(client, url, SHORT)
-            short_stream.first()
-
+            stream = Stream(client, url, LONG)
+            assert stream.first()["choices"][0]["finish_reason"] is None
             proc.send_signal(signal.SIGTERM)
-
-            # (c) no new work: /health says 503 (load balancers drain), and so does a new request
-            wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, "/health to turn 503")
-            refused = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=10)
-            assert refused.status_code == 503
-            assert refused.json()["error"]["code"] == "server_shutting_down"
-            assert refused.json()["error"]["type"] == "server_error"
-
-            # (b) a request that can finish within the timeout finishes normally
-            short = payloads(short_stream.rest())
-            assert all("error" not in p for p in short)
-            assert short[-1]["choices"][0]["finish_reason"] == "length"
-            assert sum(1 for p in short for c in p["choices"] if c["text"]) >= 1
-
-            # (a) one that cannot: its content, then an error event, then [DONE]
-            long = payloads(long_stream.rest())
-            assert len(long) >= 3 and all("choices" in p for p in long[:-1])
-            assert all(c["finish_reason"] is None for p in long[:-1] for c in p["choices"])
-            assert long[-1] == {"error": {"message": long[-1]["error"]["message"], "type": "server_error",
-                                          "param": None, "code": "engine_unavailable"}}
-
-        # (d) the concurrent non-streaming request: an OpenAI error body, not a plain-text 500
+            # the stream: its content, then an error event, then [DONE]
+            chunks = payloads(stream.rest())
+        assert len(chunks) >= 2 and all("choices" in p for p in chunks[:-1])
+        assert all(c["finish_reason"] is None for p in chunks[:-1] for c in p["choices"])
+        assert chunks[-1] == {"error": {"message": "the engine was shut down", "type": "server_error",
+                                        "param": None, "code": "engine_unavailable"}}
+        # the concurrent non-streaming request: an OpenAI error body, not a plain-text 500
         unary_thread.join(HANG_GUARD)
         response = unary["response"]
         assert response.status_code == 503
-        assert response.json()["error"]["code"] == "engine_unavailable"
+        assert response.json() == {"error": {"message": "the engine was shut down", "type": "server_error",
+                                             "param": None, "code": "engine_unavailable"}}
         out, _ = proc.communicate(timeout=HANG_GUARD)
     finally:
         if proc.poll() is None:
@@ -134,11 +149,3 @@ def test_sigterm_drains_then_ends_the_rest_with_errors_and_exits_0(tiny_llama_di
             proc.communicate()
     assert proc.returncode == 0, out
     assert "shutting down: 2 request(s) still running; ending them with an error" in out
-
-
-def test_idle_server_exits_0_at_once_on_sigterm(tiny_llama_dir):
-    proc, url = start_server(tiny_llama_dir, "--shutdown-timeout", "600")
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=HANG_GUARD)  # a 600 s timeout is not waited for: nothing is in flight
-    assert proc.returncode == 0, out
-    assert "still running" not in out
