@@ -145,6 +145,7 @@ def serve_http(engine, args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT, then drain (``entrypoints/openai/drain.py``): new requests get 503, those
     in flight get ``--shutdown-timeout`` seconds, the engine fails the rest with proper error responses."""
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     from paged_runtime.entrypoints.openai import build_app
     from paged_runtime.entrypoints.openai.drain import Drain, GracefulShutdown
@@ -160,6 +161,8 @@ def serve_http(engine, args: argparse.Namespace) -> None:
     GracefulShutdown(drain, args.shutdown_timeout, engine.shutdown,
                      on_drained=lambda sig: setattr(server, "should_exit", True)).install(server)
     server.run()
+    if not server.started:  # e.g. the port is taken (uvicorn logged why): fail as uvicorn.run does
+        sys.exit(STARTUP_FAILURE)
 
 
 def main(argv: list[str] | None = None) -> int:
