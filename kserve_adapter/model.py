@@ -7,9 +7,11 @@ Lifecycle
     blocking build runs in a worker thread, so the server answers while it
     loads: ``healthy()``, and with it ``/v1/models/NAME`` and
     ``/v2/models/NAME/ready``, is False (503) until the engine serves, and
-    again once it has died. ``stop_engine()`` (KServe calls it on SIGTERM,
-    after the HTTP server drained) shuts the engine down; a stop that comes
-    while the engine is still building shuts it down as soon as it is built.
+    again once it has died. ``stop_engine()`` shuts the engine down: the
+    drain calls it when ``--shutdown-timeout`` runs out (whatever still runs
+    fails with EngineDeadError), KServe when it unloads the model after the
+    HTTP server stopped; a stop that comes while the engine is still
+    building shuts it down as soon as it is built.
 
 Inference
     ``predict`` gets a dict for v1 and an ``InferRequest`` for v2

@@ -2,9 +2,12 @@
 
 One process, one uvicorn worker, one engine. The HTTP server comes up at
 once (``/`` answers, the model's ready routes say 503) and the engine loads
-beside it. SIGTERM or SIGINT: uvicorn stops accepting and drains open
-requests, KServe then unloads the model, which shuts the engine down; the
-process exits 0. A model that fails to build exits 1.
+beside it. SIGTERM or SIGINT drains (``paged_runtime.entrypoints.openai.drain``):
+every new request, KServe's health and ready routes included, is a 503;
+requests in flight get ``--shutdown-timeout`` seconds, then the engine fails
+the rest (OpenAI streams end with an error event and ``[DONE]``, other
+requests get a 503 body); then uvicorn stops, KServe unloads the model and
+the process exits 0. A model that fails to build exits 1.
 """
 from __future__ import annotations
 
@@ -24,25 +27,47 @@ from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, mount_openai_routes
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
 from paged_runtime.entrypoints.cli import API_KEY_ENV, engine_config, make_engine
+from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
 
 logger = logging.getLogger("kserve_adapter")
 
 
 class AdapterModelServer(ModelServer):
-    """KServe's ModelServer, binding ``host`` instead of the 0.0.0.0 its REST server hard-codes.
+    """KServe's ModelServer, binding ``host`` instead of the 0.0.0.0 its REST server hard-codes, and
+    draining on SIGTERM/SIGINT instead of uvicorn's stop-then-cancel (see the module docstring).
 
     ``ModelServer.start()`` builds the REST server, then calls ``setup_event_loop()`` before anything
-    runs: the one point where the uvicorn config can still be changed.
+    runs: the one point where the uvicorn config and server can still be changed. ``drain`` gates
+    KServe's app (``install_drain``); the signal handler goes on the uvicorn server, which installs it
+    when it starts serving (KServe's own handler stays for SIGQUIT and is run by hand after the drain).
     """
 
-    def __init__(self, host: str, **kwargs) -> None:
+    def __init__(self, host: str, shutdown_timeout: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.host = host
+        self.shutdown_timeout = shutdown_timeout
+        self.drain = Drain()
+
+    def install_drain(self, app: FastAPI) -> None:
+        app.add_middleware(DrainMiddleware, drain=self.drain)
 
     def setup_event_loop(self) -> None:
         if self._rest_server is not None:
             self._rest_server.config.host = self.host
+            uvicorn_server = self._rest_server._server
+
+            def stop_serving(sig: int) -> None:
+                uvicorn_server.should_exit = True
+                self.stop(sig)  # KServe's own stop: unloads the models (their engines), stops the other servers
+
+            GracefulShutdown(self.drain, self.shutdown_timeout, self.stop_engines, stop_serving).install(uvicorn_server)
         super().setup_event_loop()
+
+    def stop_engines(self) -> None:
+        """Fail what the models still run (``drain_then_stop`` calls it, in a thread, after the timeout)."""
+        for model in list(self.registered_models.get_models().values()):
+            if model.engine:
+                model.stop_engine()
 
 
 def add_engine_error_handlers(app: FastAPI) -> None:
@@ -74,7 +99,8 @@ def configure_logging(args: argparse.Namespace) -> None:
 
 def build_server(args: argparse.Namespace) -> AdapterModelServer:
     return AdapterModelServer(
-        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, workers=args.workers,
+        host=args.host, shutdown_timeout=args.shutdown_timeout, http_port=args.http_port, grpc_port=args.grpc_port,
+        workers=args.workers,
         max_threads=args.max_threads, max_asyncio_workers=args.max_asyncio_workers, enable_grpc=args.enable_grpc,
         enable_docs_url=args.enable_docs_url, enable_latency_logging=args.enable_latency_logging,
         access_log_format=args.access_log_format, event_loop=args.event_loop,
@@ -95,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key))
     add_engine_error_handlers(kserve_app)
+    server.install_drain(kserve_app)
     try:
         server.start([model])
     except Exception:

@@ -45,6 +45,8 @@ class AppArgs(BaseModel):
     # ---- HTTP -------------------------------------------------------------------------------
     api_key: str | None = None  # require "Authorization: Bearer <key>" on /v1 routes
     max_waiting_requests: int | None = Field(default=None, ge=1)  # the engine's own queue bound (503)
+    # on shutdown, how long in-flight requests get to finish (Serve's graceful_shutdown_timeout_s follows it)
+    shutdown_timeout: float = Field(default=30.0, ge=0)
 
     # ---- Serve: replicas, placement, admission ----------------------------------------------
     num_replicas: int = Field(default=1, ge=1)

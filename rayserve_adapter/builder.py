@@ -12,6 +12,9 @@ Deployment options derived from the arguments:
   engine, where Serve can neither see nor reroute the overflow);
 - ``max_queued_requests`` with a 429 + ``Retry-After`` backpressure response;
 - ``autoscaling_config`` with ``EngineAutoscalingPolicy`` unless it names a policy;
+- ``graceful_shutdown_timeout_s`` = ``shutdown_timeout``: Serve stops routing to a stopping model
+  replica, waits that long for its requests, then kills it; the ingress gets a margin more, so it
+  can end the responses of a killed replica with an error (``deployment.py``);
 - ``ray_actor_options`` / placement-group bundles from ``num_cpus``,
   ``num_gpus`` and ``tensor_parallel_size``.
 
@@ -31,6 +34,7 @@ from rayserve_adapter.deployment import (INGRESS_DEPLOYMENT, MODEL_DEPLOYMENT, P
 
 ROUTER_PATH = "rayserve_adapter.router:PrefixAffinityRouter"
 INGRESS_HEADROOM = 64  # requests beyond the model's capacity the ingress holds: /health, /metrics, the queue
+SHUTDOWN_MARGIN_S = 5.0  # the ingress outlives the model replicas' grace by this much (their last error events)
 
 
 def app(args: AppArgs) -> Application:
@@ -48,6 +52,7 @@ def model_options(args: AppArgs) -> Dict[str, Any]:
         "max_ongoing_requests": args.replica_max_ongoing_requests,
         "max_queued_requests": args.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": args.retry_after_s},
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
         **placement_options(args.num_cpus, args.num_gpus, args.tensor_parallel_size),
     }
     if args.autoscaling_config is not None:
@@ -67,7 +72,8 @@ def ingress_options(args: AppArgs) -> Dict[str, Any]:
     capacity = args.replica_max_ongoing_requests * args.max_model_replicas + max(args.max_queued_requests, 0)
     return {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "ray_actor_options": {"num_cpus": args.num_cpus},
             "max_ongoing_requests": capacity + INGRESS_HEADROOM,
-            "backpressure_config": {"status_code": 429, "retry_after_s": args.retry_after_s}}
+            "backpressure_config": {"status_code": 429, "retry_after_s": args.retry_after_s},
+            "graceful_shutdown_timeout_s": args.shutdown_timeout + SHUTDOWN_MARGIN_S}
 
 
 def placement_options(num_cpus: float, num_gpus: float, tensor_parallel_size: int) -> Dict[str, Any]:
@@ -89,4 +95,4 @@ def placement_options(num_cpus: float, num_gpus: float, tensor_parallel_size: in
             "placement_group_strategy": "STRICT_PACK"}
 
 
-__all__ = ["app", "model_options", "ingress_options", "placement_options", "ROUTER_PATH"]
+__all__ = ["app", "model_options", "ingress_options", "placement_options", "ROUTER_PATH", "SHUTDOWN_MARGIN_S"]

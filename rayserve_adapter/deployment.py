@@ -16,19 +16,35 @@
     - ``record_autoscaling_stats`` feeds ``autoscaling.EngineAutoscalingPolicy``;
     - ``record_routing_stats`` feeds ``router.PrefixAffinityRouter``.
 
+    Shutdown: Serve stops routing to a stopping replica and waits for its
+    requests up to ``graceful_shutdown_timeout_s`` (``shutdown_timeout``, set
+    by the builder), then calls ``__del__``, which drains (new requests 503,
+    those still in flight get ``shutdown_timeout``, then the engine fails the
+    rest with an error event / a 503 body, see
+    ``paged_runtime.entrypoints.openai.drain``) and shuts the engine down.
+    Serve gives user code no notice when its drain starts, so a request still
+    running when Serve kills the replica is cut by Ray; in multi-replica mode
+    the ingress ends it with an error (below).
+
 ``OpenAIIngress`` (deployed as ``PagedRuntimeIngress``)
     Forwards every HTTP request, unparsed, through a streaming handle to the
     model deployment, with the prompt text as the routing key; streams the
     response back. When the model deployment's queue is full it answers 429
     with ``Retry-After`` in OpenAI's error shape. A client that goes away
-    cancels the handle call, which the replica sees as a disconnect.
+    cancels the handle call, which the replica sees as a disconnect. A model
+    replica that dies or is killed mid-request (Serve's graceful shutdown
+    timeout) never cuts the client off: a stream ends with an error event
+    and ``data: [DONE]``, any other response is a 503 with an OpenAI body.
 
 Nothing here imports torch at module level: the ingress replica and the driver
 import this module; only a model replica's constructor loads the runtime.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import logging
 import math
 from collections.abc import AsyncIterator
 from functools import cached_property
@@ -51,6 +67,9 @@ MODEL_DEPLOYMENT = "PagedRuntimeServer"
 INGRESS_DEPLOYMENT = "PagedRuntimeIngress"
 LIVE_SETTINGS = frozenset({"max_num_seqs", "max_waiting_requests"})  # what reconfigure applies
 HTTP_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+SSE_DONE = b"data: [DONE]\n\n"
+
+logger = logging.getLogger("rayserve_adapter")
 
 
 class EngineReplica:
@@ -61,8 +80,10 @@ class EngineReplica:
 
         from paged_runtime.engine.async_engine import AsyncEngine
         from paged_runtime.engine.client import EngineClient
+        from paged_runtime.entrypoints.openai.drain import Drain
         from paged_runtime.metrics import LoggingStatLogger, PrometheusStatLogger
         self.args = parse_args(args)
+        self.drain = Drain()  # gates the OpenAI app: 503 for new requests once graceful_shutdown() began
         self.registry = CollectorRegistry()  # this replica's /metrics shows this replica's engine only
         loggers = [PrometheusStatLogger(self.args.served_model_names[0], self.registry), LoggingStatLogger()]
         self.engine: EngineClient = AsyncEngine.from_config(
@@ -72,7 +93,7 @@ class EngineReplica:
     def asgi_app(self):
         from paged_runtime.entrypoints.openai import build_app
         return build_app(self.engine, self.args.served_model_names, api_key=self.args.api_key,
-                         registry=self.registry, model_root=self.engine.model_root)
+                         registry=self.registry, model_root=self.engine.model_root, drain=self.drain)
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app
@@ -111,13 +132,32 @@ class EngineReplica:
                 "num_prefix_hits": stats.num_prefix_hits, "num_preemptions": stats.num_preemptions,
                 "num_aborted_requests": int(aborted or 0), "healthy": self.engine.is_healthy}
 
+    async def graceful_shutdown(self) -> None:
+        """Drain (see the module docstring), then shut the engine down; runs on the replica's event loop."""
+        from paged_runtime.entrypoints.openai.drain import drain_then_stop
+        engine = self.__dict__.get("engine")  # absent if the constructor failed
+        if engine is None:
+            return
+        await drain_then_stop(self.drain, self.args.shutdown_timeout, engine.shutdown)
+        await asyncio.to_thread(engine.shutdown)
+
     def shutdown(self) -> None:
+        """Stop the engine now (requests in flight fail with EngineDeadError)."""
         engine = self.__dict__.get("engine")  # absent if the constructor failed
         if engine is not None:
             engine.shutdown()
 
     def __del__(self) -> None:
         self.shutdown()
+
+
+class ServeEngineReplica(EngineReplica):
+    """``EngineReplica`` as Serve runs it: Serve awaits an async ``__del__`` on the replica's loop, where the
+    drain can let responses finish (a plain object keeps the synchronous one: the garbage collector
+    cannot await)."""
+
+    async def __del__(self) -> None:
+        await self.graceful_shutdown()
 
 
 class OpenAIIngress:
@@ -145,6 +185,9 @@ class OpenAIIngress:
         except BackPressureError as e:
             handed_over = True
             return overloaded(e)
+        except Exception as e:  # the model replica died or was killed before the response was complete
+            logger.warning("the model replica failed a request: %s: %s", type(e).__name__, e)
+            return JSONResponse(replica_gone(e), status_code=503)
         finally:
             if not handed_over:  # cancelled (the client left) or failed: the replica must abort too. Serve
                 stream.cancel()  # propagates a cancelled request to its child calls; this does not rely on it
@@ -161,14 +204,24 @@ async def _forwarded(request: Request) -> ForwardedRequest:
 
 
 async def _rest(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    """The rest of an SSE stream; a model replica that fails mid-stream ends it with an error event and [DONE]."""
     finished = False
     try:
         async for chunk in stream:
             yield chunk
         finished = True
+    except Exception as e:
+        logger.warning("the model replica failed a stream: %s: %s", type(e).__name__, e)
+        yield b"data: " + json.dumps(replica_gone(e), separators=(",", ":")).encode() + b"\n\n" + SSE_DONE
     finally:
         if not finished:
             stream.cancel()
+
+
+def replica_gone(e: BaseException) -> dict:
+    """OpenAI's error body for a request whose model replica stopped (the code the runtime uses for a dead engine)."""
+    return {"error": {"message": f"the model replica stopped before the response was complete ({type(e).__name__})",
+                      "type": "server_error", "param": None, "code": "engine_unavailable"}}
 
 
 def overloaded(e: BackPressureError) -> JSONResponse:
@@ -181,6 +234,6 @@ def overloaded(e: BackPressureError) -> JSONResponse:
 
 # The model deployment in its two roles (Serve allows one ASGI ingress per application): serving HTTP
 # itself in single-replica mode, and behind PagedRuntimeIngress, reached through ``forward``, otherwise.
-PagedRuntimeServer = serve.deployment(name=MODEL_DEPLOYMENT)(serve.ingress()(EngineReplica))
-PagedRuntimeBackend = serve.deployment(name=MODEL_DEPLOYMENT)(EngineReplica)
+PagedRuntimeServer = serve.deployment(name=MODEL_DEPLOYMENT)(serve.ingress()(ServeEngineReplica))
+PagedRuntimeBackend = serve.deployment(name=MODEL_DEPLOYMENT)(ServeEngineReplica)
 PagedRuntimeIngress = serve.deployment(name=INGRESS_DEPLOYMENT)(serve.ingress()(OpenAIIngress))

@@ -35,6 +35,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged-runtime", description="A vLLM-class LLM serving runtime.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -65,6 +72,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                              f"(or set {API_KEY_ENV})")
     server.add_argument("--max-waiting-requests", type=positive_int, default=None,
                         help="beyond this many queued requests, answer 503 with Retry-After; None: unbounded")
+    server.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish (new ones get 503); "
+                             "then the rest end with an error")
     server.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 2**20,
                         help="larger request bodies get 413 (e.g. 16MiB: a full-context prompt many times over)")
     server.add_argument("--max-prompts-per-request", type=positive_int, default=256,
@@ -141,19 +151,30 @@ def make_engine(config, args: argparse.Namespace):
 
 
 def serve_http(engine, args: argparse.Namespace) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (``entrypoints/openai/drain.py``): new requests get 503, those
+    in flight get ``--shutdown-timeout`` seconds, the engine fails the rest with proper error responses."""
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     from paged_runtime.entrypoints.openai import build_app
+    from paged_runtime.entrypoints.openai.drain import Drain, GracefulShutdown
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = served_model_names(args)
-    app = build_app(engine, names, api_key=api_key, model_root=engine.model_root,
+    drain = Drain()
+    app = build_app(engine, names, api_key=api_key, model_root=engine.model_root, drain=drain,
                     allowed_origins=args.allowed_origins, max_request_body_bytes=args.max_request_body_bytes,
                     max_prompts_per_request=args.max_prompts_per_request,
                     metrics_require_api_key=args.metrics_require_api_key)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d%s)", ", ".join(names), args.host, args.port,
                 engine.max_model_len, ", API key required" if api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
-                timeout_graceful_shutdown=5)
+    # Every admitted request has its response by the time uvicorn stops: its own grace is a backstop only.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=5))
+    GracefulShutdown(drain, args.shutdown_timeout, engine.shutdown,
+                     on_drained=lambda sig: setattr(server, "should_exit", True)).install(server)
+    server.run()
+    if not server.started:  # e.g. the port is taken (uvicorn logged why): fail as uvicorn.run does
+        sys.exit(STARTUP_FAILURE)
 
 
 def main(argv: list[str] | None = None) -> int:

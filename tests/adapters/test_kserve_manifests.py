@@ -163,6 +163,10 @@ def test_inference_service_args_parse_after_the_runtime_args(isvc):
     name = isvc["metadata"]["name"]
     args = parse(runtime_container()["args"] + model.get("args", []), name)
     assert args.model_name == name and args.model is None and args.max_model_len >= 2048
+    # SIGTERM drains for --shutdown-timeout; the pod is killed its grace period after SIGTERM (30 s unless
+    # set): what is still running must be ended with an error and the process exit in the time left.
+    grace = isvc["spec"]["predictor"].get("terminationGracePeriodSeconds", 30)
+    assert args.shutdown_timeout + 5 <= grace
 
 
 def test_gpu_service_loads_a_hugging_face_model_on_one_gpu():

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,8 @@ def kserve_server(tiny_llama_dir, tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "kserve_adapter", "--model_name", NAME, "--model", str(tiny_llama_dir),
            "--host", "127.0.0.1", "--http_port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-           "--kv-cache-memory", "16MiB", "--max-num-seqs", "16", "--api-key", API_KEY, "--log-stats-interval", "1"]
+           "--kv-cache-memory", "16MiB", "--max-num-seqs", "16", "--api-key", API_KEY, "--log-stats-interval", "1",
+           "--shutdown-timeout", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "KSERVE_ADAPTER_LOAD_GATE": str(gate)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
@@ -430,11 +432,44 @@ def test_still_healthy_after_bad_inputs(kserve_ready):
 
 
 # ---- shutdown ----------------------------------------------------------------------------------
-def test_sigterm_stops_cleanly(kserve_ready):
-    kserve_ready.proc.send_signal(signal.SIGTERM)
+def test_sigterm_drains_ends_the_rest_with_errors_and_stops_cleanly(kserve_ready):
+    """SIGTERM with a long OpenAI stream and a long v1 predict in flight (--shutdown-timeout 1; neither can
+    finish in time): new requests and the health routes are 503, the stream ends with an error event and
+    [DONE], the predict with a 503 body, and the process exits 0."""
+    predict = {}
+
+    def post_predict() -> None:
+        predict["response"] = kserve_ready.post(f"/v1/models/{NAME}:predict", {"instances": [
+            {"prompt": "ok", "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True}]})
+
+    thread = threading.Thread(target=post_predict)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not kserve_ready.metric("vllm:num_requests_running"):
+        assert time.monotonic() < deadline, "the predict request never ran"
+        time.sleep(0.05)
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True, "logprobs": 5,
+            "stream": True}
+    with httpx.stream("POST", kserve_ready.url + "/openai/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as response:
+        lines = (line for line in response.iter_lines() if line)
+        events = [next(lines)]
+        kserve_ready.proc.send_signal(signal.SIGTERM)
+        refused = kserve_ready.wait_until("/", 503, timeout=60)
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert kserve_ready.get(f"/v2/models/{NAME}/ready").status_code == 503
+        events.extend(lines)
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["code"] == "engine_unavailable" and error["error"]["type"] == "server_error"
+    assert all('"choices"' in event for event in events[:-2])
+    thread.join(60)
+    assert predict["response"].status_code == 503
+    assert predict["response"].json() == {"error": "the engine was shut down"}
     assert kserve_ready.proc.wait(60) == 0, kserve_ready.log_text()[-3000:]
     log = kserve_ready.log_text()
     assert f"engine of {NAME} shut down" in log
+    assert "500 Internal Server Error" not in log
     with pytest.raises(httpx.ConnectError):
         kserve_ready.get("/")
 

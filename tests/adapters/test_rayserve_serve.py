@@ -34,6 +34,7 @@ MODES = ["single", "multi"]
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 LONG = {"max_tokens": 1000, "ignore_eos": True, "stream": True}  # seconds of decoding: held until we hang up
+SHUTDOWN_TIMEOUT = 1  # Serve's graceful_shutdown_timeout_s for the model replicas
 
 
 @dataclass
@@ -108,7 +109,7 @@ def cluster(tiny_llama_dir):
         common = {"model": str(tiny_llama_dir), "served_model_name": NAME, "dtype": "float32", "max_model_len": 1024,
                   "kv_cache_memory": 16 * 2**20, "max_num_seqs": MAX_NUM_SEQS, "num_cpus": 0,
                   "max_queued_requests": 1, "retry_after_s": RETRY_AFTER_S, "routing_stats_period_s": 0.5,
-                  "debug_checks": True}
+                  "debug_checks": True, "shutdown_timeout": SHUTDOWN_TIMEOUT}
         serve.run(app(common), name="single", route_prefix="/single")  # returns once the replicas are up
         serve.run(app({**common, "num_replicas": 2}), name="multi", route_prefix="/multi")
         yield Cluster(f"http://127.0.0.1:{port}")
@@ -297,3 +298,24 @@ def test_full_queue_answers_429_with_retry_after(cluster, mode):
 
     asyncio.run(scenario())
     cluster.wait_idle(mode)
+
+
+# ---- shutdown (last: it deletes the multi-replica application) --------------------------------------------
+def test_deleting_the_app_ends_a_stream_its_killed_replica_cannot_finish_with_an_error_and_done(cluster):
+    """Serve kills a model replica SHUTDOWN_TIMEOUT seconds after it began stopping; a stream still running
+    there (1000 tokens with logprobs take the tiny model several seconds) gets an error event and [DONE]
+    from the ingress, which outlives the replica by a margin, instead of a cut connection."""
+    from ray import serve
+    body = {"model": NAME, "prompt": PROMPT, **LONG, "logprobs": 5}
+    with httpx.Client(base_url=f"{cluster.url}/multi", timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = (line for line in response.iter_lines() if line)
+            events = [next(lines)]
+            serve.delete("multi", _blocking=False)
+            events.extend(lines)
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+    assert error["message"].startswith("the model replica stopped before the response was complete")
+    assert len(events) >= 3 and all('"choices"' in e for e in events[:-2])

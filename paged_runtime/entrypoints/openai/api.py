@@ -40,6 +40,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from paged_runtime.engine.client import EngineClient
+from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (OpenAIError, bad_request, from_exception, parse_json,
                                                     payload_too_large, unauthorized, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -287,11 +288,12 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
               include_metrics: bool = True, allowed_origins: Sequence[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              metrics_require_api_key: bool = False) -> FastAPI:
+              metrics_require_api_key: bool = False, drain: Drain | None = None) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
 
     ``allowed_origins``: CORS for exactly these origins (Starlette's CORSMiddleware); None or empty: no
-    CORS, so browsers refuse cross-origin reads and preflights. The other keywords are build_router's.
+    CORS, so browsers refuse cross-origin reads and preflights. ``drain``: while it drains, every request is a
+    503 ``server_shutting_down`` (see ``drain.py``). The other keywords are build_router's.
     """
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
@@ -313,4 +315,6 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
         return OpenAIError(405, f"method {request.method} is not allowed on {request.url.path}",
                            code="method_not_allowed").response()
 
+    if drain is not None:
+        app.add_middleware(DrainMiddleware, drain=drain)
     return app
