@@ -190,3 +190,11 @@ def test_a_failed_build_falls_back_to_pytorch(compile_as, caplog):
     [warning] = warnings_of(caplog)
     assert "PyTorch path" in warning
     assert [p for p in cpu.library_path(cache).parent.iterdir()] == []  # no temporary file left behind
+
+
+def test_a_cache_that_cannot_be_created_builds_into_a_temporary_folder(compile_as, real_library, caplog):
+    cache = compile_as(real_library)
+    cache.write_text("a file where the cache folder should be")  # as a read-only home would refuse it
+    assert cpu.load(cache)
+    [warning] = warnings_of(caplog)
+    assert "temporary folder" in warning
