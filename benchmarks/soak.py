@@ -21,7 +21,8 @@ What it does
                       the ``user`` field, so a server without a limit answers 200 quickly instead of stalling
       bounds          values that must be refused at the edge (item 1): top_k above int64, repetition_penalty
                       infinite or 1e-320, min_tokens past the context -> 400; seed 2**64-1 with n=2 -> 200 or 400
-    Each request has a timeout (``--request-timeout``); the whole run has a hard deadline. Overload is never
+    Each request has a timeout (``--request-timeout``); the whole run has a hard deadline and at most
+    ``--max-requests`` requests; all traffic goes to 127.0.0.1. Overload is never
     provoked (no ``--max-waiting-requests``), so every 5xx is unexpected.
 
 Checks (exit code 1 if any fails)
@@ -401,7 +402,9 @@ async def send(client: httpx.AsyncClient, base: str, case: Case, spec: SpecValid
     except asyncio.TimeoutError:
         return outcome("timeout", [f"no answer within {timeout} s"])
     except httpx.HTTPError as e:
-        return outcome("transport_error", [f"{type(e).__name__}: {e}"[:160]])
+        seen = getattr(case, "events_seen", None)
+        where = "before the response" if seen is None else f"after {len(seen)} events"
+        return outcome("transport_error", [f"{type(e).__name__} {where} ({time.monotonic() - start:.1f} s): {e}"[:200]])
 
 
 async def _stream(client, request, case: Case, spec: SpecValidator, outcome) -> Outcome:
@@ -411,6 +414,7 @@ async def _stream(client, request, case: Case, spec: SpecValidator, outcome) -> 
             await response.aread()
             return outcome(response.status_code, check_body(case, response.status_code, response.text, spec))
         events, buffer = [], ""
+        case.events_seen = events  # for the report if the connection breaks
         async for text in response.aiter_text():
             buffer += text
             while "\n\n" in buffer:
@@ -432,14 +436,17 @@ async def client_loop(index: int, args, base: str, spec: SpecValidator, categori
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     # Client i starts with categories i, i + clients, ...: every category is sent early, even in a short run.
     first = [{category: 1} for category in list(categories)[index::args.clients]]
-    while time.monotonic() < until:
-        # A fresh connection pool after each dropped connection: what the client itself did to its pool
-        # must not show up as a server failure of the next request.
+    budget = args.max_requests // args.clients
+    while time.monotonic() < until and budget > 0:
+        # A fresh connection after each one dropped (by the client, or by the server after a 5xx it did not
+        # handle): what broke one request's connection must not be counted again against the next request.
         async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-            while time.monotonic() < until:
+            while time.monotonic() < until and budget > 0:
                 case = make_case(rng, first.pop(0) if first else categories)
                 results.append(await send(client, base, case, spec, args.request_timeout))
-                if results[-1].status in ("aborted", "disconnected", "timeout", "transport_error"):
+                budget -= 1
+                status = results[-1].status
+                if not isinstance(status, int) or status >= 500:
                     break
 
 
@@ -637,6 +644,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the server's --speculative-config, or 'none'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--max-requests", type=int, default=100_000, help="at most this many requests in all")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--rss-growth-bound-mib", type=float, default=256.0)
     p.add_argument("--exclude", nargs="*", default=[], choices=list(MIX), help="categories to leave out")
@@ -669,7 +677,7 @@ def main(argv=None) -> int:
         log_text = log_path.read_text(errors="replace")
     report["config"] = {"seconds": args.seconds, "clients": args.clients, "model": args.model or "tiny random Llama",
                         "dtype": args.dtype, "speculative_config": args.speculative_config, "seed": args.seed,
-                        "request_timeout_s": args.request_timeout, "rss_growth_bound_mib": args.rss_growth_bound_mib,
+                        "request_timeout_s": args.request_timeout, "max_requests": args.max_requests, "rss_growth_bound_mib": args.rss_growth_bound_mib,
                         "excluded": args.exclude, "max_model_len": MAX_MODEL_LEN}
     report["server"] = {"alive_at_end": alive, "exit_code_after_sigterm": server.returncode,
                         "log_tracebacks": log_text.count("Traceback"),
