@@ -31,7 +31,8 @@ Checks (exit code 1 if any fails)
     status:<category>     every response of a category had one of its expected statuses;
     schema                every completed response (200 bodies, every streamed chunk, every error body) is valid
                           against the OpenAI spec (``--spec``, default ../shared/openai-spec/openai-subset.json),
-                          streams end with ``[DONE]`` and give every choice a finish_reason;
+                          streams end with ``[DONE]``, give every choice a finish_reason and carry no error
+                          event;
     kv_usage_zero         ``vllm:kv_cache_usage_perc`` (and running / waiting) back to 0 after the load (polled);
     health                GET /health is 200 at the end, and the server process is still running;
     rss_growth            the server's resident memory (VmRSS, sampled every second) grows by less than
