@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -75,11 +76,12 @@ NAME = "soak-model"
 MAX_MODEL_LEN = 512
 OVERSIZED_BYTES = 17 * 2**20
 NESTING = 10_000
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b")  # a traceback's last line
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly count paged blocks of cache "
          "and every request finds its way home before the scheduler sleeps").split()
 
 # ---- the request mix -------------------------------------------------------------------------------------
-# category -> weight. Every category draws its requests from its own function below.
+# category -> weight. Each category's requests come from its function below (GENERATORS).
 MIX = {"completion": 12, "completion_stream": 12, "chat": 10, "chat_stream": 10, "parallel": 8, "disconnect": 6,
        "abort": 5, "bad_value": 6, "bad_type": 4, "unknown_model": 3, "malformed_json": 3, "wrong_content_type": 3,
        "lone_surrogate": 3, "deep_nesting": 3, "oversized_body": 1, "bounds": 3}
@@ -233,48 +235,58 @@ def bounds(rng) -> Case:
                 expected=frozenset(expected))
 
 
+def unknown_model(rng) -> Case:
+    case = completion(rng) if rng.random() < 0.5 else chat(rng)
+    return Case("unknown_model", case.path, {**case.body, "model": "no-such-model"}, expected=frozenset({404}))
+
+
+def malformed_json(rng) -> Case:
+    raw = rng.choice([b'{"model": "x", "prompt": ', b"{not json", b'{"prompt": "x",}', b"\xff\xfe{}"])
+    return Case("malformed_json", "/v1/completions", raw=raw, expected=frozenset({400}))
+
+
+def wrong_content_type(rng) -> Case:
+    case = completion(rng) if rng.random() < 0.5 else chat(rng)
+    return Case("wrong_content_type", case.path, case.body, expected=frozenset({415}),
+                content_type=rng.choice(["text/plain", "application/x-www-form-urlencoded"]))
+
+
+def lone_surrogate(rng) -> Case:
+    path, text = rng.choice(SURROGATES)
+    return Case("lone_surrogate", path, raw=text.encode(), expected=frozenset({400}))
+
+
+def deep_nesting(rng) -> Case:
+    nested = "[" * NESTING + "]" * NESTING
+    path, text = rng.choice([
+        ("/v1/completions", '{"model": "%s", "prompt": %s}' % (NAME, nested)),
+        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": %s}]}' % (NAME, nested))])
+    return Case("deep_nesting", path, raw=text.encode(), expected=frozenset({400}))
+
+
+@functools.cache
+def _oversized_body() -> bytes:
+    return json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 1, "user": "x" * OVERSIZED_BYTES}).encode()
+
+
+def oversized_body(rng) -> Case:
+    return Case("oversized_body", "/v1/completions", raw=_oversized_body(), expected=frozenset({413}))
+
+
+GENERATORS = {
+    "completion": completion, "completion_stream": lambda rng: completion(rng, stream=True), "chat": chat,
+    "chat_stream": lambda rng: chat(rng, stream=True), "parallel": parallel, "disconnect": disconnect,
+    "abort": abort, "bad_value": lambda rng: _pick(rng, BAD_VALUES, "bad_value"),
+    "bad_type": lambda rng: _pick(rng, BAD_TYPES, "bad_type"), "unknown_model": unknown_model,
+    "malformed_json": malformed_json, "wrong_content_type": wrong_content_type, "lone_surrogate": lone_surrogate,
+    "deep_nesting": deep_nesting, "oversized_body": oversized_body, "bounds": bounds}
+assert set(GENERATORS) == set(MIX)
+
+
 def make_case(rng: random.Random, categories: dict[str, int]) -> Case:
+    """One request of a category drawn from ``categories`` (name -> weight)."""
     category = rng.choices(list(categories), weights=list(categories.values()))[0]
-    if category in ("completion", "completion_stream"):
-        return completion(rng, stream=category == "completion_stream")
-    if category in ("chat", "chat_stream"):
-        return chat(rng, stream=category == "chat_stream")
-    if category in ("parallel", "disconnect", "abort", "bounds"):
-        return globals()[category](rng)
-    if category == "bad_value":
-        return _pick(rng, BAD_VALUES, category)
-    if category == "bad_type":
-        return _pick(rng, BAD_TYPES, category)
-    if category == "unknown_model":
-        case = completion(rng) if rng.random() < 0.5 else chat(rng)
-        case.body["model"] = "no-such-model"
-        return Case(category, case.path, case.body, expected=frozenset({404}))
-    if category == "malformed_json":
-        raw = rng.choice([b'{"model": "x", "prompt": ', b"{not json", b'{"prompt": "x",}', b"\xff\xfe{}"])
-        return Case(category, "/v1/completions", raw=raw, expected=frozenset({400}))
-    if category == "wrong_content_type":
-        case = completion(rng) if rng.random() < 0.5 else chat(rng)
-        return Case(category, case.path, case.body, content_type=rng.choice(["text/plain", "application/x-www-form-urlencoded"]),
-                    expected=frozenset({415}))
-    if category == "lone_surrogate":
-        path, text = rng.choice(SURROGATES)
-        return Case(category, path, raw=text.encode(), expected=frozenset({400}))
-    if category == "deep_nesting":
-        nested = "[" * NESTING + "]" * NESTING
-        path, text = rng.choice([("/v1/completions", '{"model": "%s", "prompt": %s}' % (NAME, nested)),
-                                 ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": %s}]}'
-                                  % (NAME, nested))])
-        return Case(category, path, raw=text.encode(), expected=frozenset({400}))
-    if category == "oversized_body":
-        return Case(category, "/v1/completions", raw=_oversized(), expected=frozenset({413}))
-    raise ValueError(f"unknown category {category}")
-
-
-def _oversized() -> bytes:
-    if not hasattr(_oversized, "body"):
-        _oversized.body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 1,
-                                      "user": "x" * OVERSIZED_BYTES}).encode()
-    return _oversized.body
+    return GENERATORS[category](rng)
 
 
 # ---- the OpenAI spec ---------------------------------------------------------------------------------------
@@ -383,7 +395,8 @@ def check_events(case: Case, events: list[str], spec: SpecValidator, complete: b
 
 async def send(client: httpx.AsyncClient, base: str, case: Case, spec: SpecValidator, timeout: float) -> Outcome:
     content = case.raw if case.raw is not None else json.dumps(case.body).encode()
-    request = client.build_request("POST", base + case.path, content=content, headers={"content-type": case.content_type})
+    request = client.build_request("POST", base + case.path, content=content,
+                                   headers={"content-type": case.content_type})
     start = time.monotonic()
 
     def outcome(status, problems=()):
@@ -585,12 +598,11 @@ def run_checks(results, categories, gauges, health, alive, rss, args) -> list[di
                         and gauges.get("vllm:num_requests_waiting") == 0.0, f"gauges at the end: {gauges}"))
     checks.append(check("health", health == 200 and alive, f"/health {health}, server running: {alive}"))
     quarter = max(1, len(rss) // 4)
-    growth = (statistics.median(rss[-quarter:]) - statistics.median(rss[:quarter])) if rss else None
-    bound = args.rss_growth_bound_mib * 2**20
-    checks.append(check("rss_growth", growth is not None and growth < bound,
-                        "no samples" if growth is None else
-                        f"{growth / 2**20:+.1f} MiB (first quarter median {statistics.median(rss[:quarter]) / 2**20:.0f} "
-                        f"MiB, last {statistics.median(rss[-quarter:]) / 2**20:.0f} MiB; bound {args.rss_growth_bound_mib} MiB)"))
+    first, last = (statistics.median(rss[:quarter]) / 2**20 if rss else 0.0,
+                   statistics.median(rss[-quarter:]) / 2**20 if rss else 0.0)
+    checks.append(check("rss_growth", rss and last - first < args.rss_growth_bound_mib,
+                        f"{last - first:+.1f} MiB (first quarter median {first:.0f} MiB, last {last:.0f} MiB; "
+                        f"bound {args.rss_growth_bound_mib} MiB)" if rss else "no samples"))
     return checks
 
 
@@ -678,12 +690,13 @@ def main(argv=None) -> int:
         log_text = log_path.read_text(errors="replace")
     report["config"] = {"seconds": args.seconds, "clients": args.clients, "model": args.model or "tiny random Llama",
                         "dtype": args.dtype, "speculative_config": args.speculative_config, "seed": args.seed,
-                        "request_timeout_s": args.request_timeout, "max_requests": args.max_requests, "rss_growth_bound_mib": args.rss_growth_bound_mib,
+                        "request_timeout_s": args.request_timeout, "max_requests": args.max_requests,
+                        "rss_growth_bound_mib": args.rss_growth_bound_mib,
                         "excluded": args.exclude, "max_model_len": MAX_MODEL_LEN}
     report["server"] = {"alive_at_end": alive, "exit_code_after_sigterm": server.returncode,
                         "log_tracebacks": log_text.count("Traceback"),
                         "log_exceptions": dict(Counter(line[:160] for line in log_text.splitlines()
-                                                       if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", line))),
+                                                       if EXCEPTION_LINE.match(line))),
                         "log_errors": sum(" ERROR " in f" {line} " or line.startswith("ERROR") for line in
                                           log_text.splitlines()),
                         "log_tail": log_text.splitlines()[-40:]}
@@ -691,8 +704,9 @@ def main(argv=None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1) + "\n")
     print_report(report["categories"], report["checks"], report["duration_s"])
-    print(f"\nserver log: {report['server']['log_tracebacks']} tracebacks, {report['server']['log_errors']} ERROR lines;"
-          f" wrote {args.output}")
+    server_log = report["server"]
+    print(f"\nserver log: {server_log['log_tracebacks']} tracebacks, {server_log['log_errors']} ERROR lines; "
+          f"wrote {args.output}")
     return 0 if report["passed"] else 1
 
 

@@ -55,8 +55,8 @@ def stubs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, source in (("missing", MISSING_SYMBOLS_C), ("abi", WRONG_ABI_C)):
         (folder / f"{name}.c").write_text(source)
-        subprocess.run([cpu._compiler(), "-shared", "-fPIC", str(folder / f"{name}.c"), "-o", str(folder / f"{name}.so")],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run([cpu._compiler(), "-shared", "-fPIC", str(folder / f"{name}.c"), "-o",
+                        str(folder / f"{name}.so")], check=True, capture_output=True, timeout=60)
         out[name] = folder / f"{name}.so"
     (folder / "garbage.so").write_bytes(b"not a shared library\n")
     out["garbage"] = folder / "garbage.so"
