@@ -25,6 +25,9 @@ PENDING_ON = {
     "status:bounds": "item 1: bounds at the edge (top_k > int64 and seed + i overflow kill today's engine)",
     "no_5xx": "items 1 and 9 (500s from deep nesting / surrogates, 503s once a bounds request killed the engine)",
     "health": "item 1 (a bounds request kills the engine: /health 503)",
+    "schema": "items 1 and 9 (error events from the dying engine; the surrogate 500 is plain text, not JSON)",
+    **{f"status:{name}": "item 1 (503 once a bounds request killed the engine)"
+       for name in ("completion", "completion_stream", "chat", "chat_stream", "parallel", "disconnect", "abort")},
 }
 
 
