@@ -1,10 +1,22 @@
 """CPU decode kernels: ``cpu_ops.c``, compiled on first use, exposed as ``paged_runtime::cpu_*`` ops.
 
 The library is built with the system C compiler (``-O3 -march=native -fopenmp``,
-about a second) into the runtime's cache folder, named by a hash of the source,
+about a second) into ``<cache_dir>/kernels/``, named by a hash of the source,
 the compiler and the CPU's feature flags, so a later start loads it at once and a
-changed source or machine rebuilds it. ``load(cache_dir)`` returns False where
-there is no compiler or the build fails (logged once): the PyTorch path runs.
+changed source or machine rebuilds it. ``load(cache_dir)`` returns False, with one
+warning, where anything fails (no compiler, a failed build, a library without the
+expected symbols or with other struct sizes, an OSError): the PyTorch path runs.
+
+A shared library runs as this process, so the cache is trusted only as far as no
+one else could have written it. The folder is created 0700; a build goes to a
+temporary file in it, made 0700 and renamed into place. A folder or a library is
+used only if it is owned by this user and not writable by group or others,
+checked with fstat on the opened file (open by descriptor, dlopen through
+``/proc/self/fd``, so a swap between the check and the load is impossible). Where
+the cache fails that check (or cannot be created: a read-only home), the library
+is built into a fresh private temporary folder instead, with a warning: every
+start then compiles again (a second or so), but runs the same kernels, and never
+writes to or reads from the suspicious folder.
 
 ctypes is the loader; the ops registered here are the boundary the model calls
 (``torch.ops.paged_runtime.cpu_linear`` and friends): the profiler names them and
@@ -18,12 +30,16 @@ and struct sizes are read from the library (``pr_abi``), never restated here.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
 import os
+import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -92,40 +108,150 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str, cache_dir: Path) -> Path:
+KERNELS_FOLDER = "kernels"  # the cache's private subfolder for compiled libraries
+
+
+class _Untrusted(Exception):
+    """A cache folder or file this process must not use: another user could have written it (or, for the
+    folder, it cannot be made)."""
+
+
+def library_path(cache_dir: str | Path, compiler: str | None = None) -> Path:
+    """Where ``load(cache_dir)`` keeps the library for this source, compiler and CPU."""
+    compiler = compiler or _compiler() or ""
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_dir / f"cpu_ops-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent starts never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(built, target)
-    return target
+    return Path(cache_dir) / KERNELS_FOLDER / f"cpu_ops-{key}.so"
 
 
-@functools.cache
-def load(cache_dir: str | Path) -> bool:
-    """Build (if needed) and load the kernels from ``cache_dir``; False where that is impossible."""
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: the CPU decode kernels are off (PyTorch path)")
-        return False
+def _check_private(st: os.stat_result, what: str) -> None:
+    if st.st_uid != os.geteuid():
+        raise _Untrusted(f"{what} is owned by uid {st.st_uid}, not this process's {os.geteuid()}")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{what} is writable by group or others (mode {oct(stat.S_IMODE(st.st_mode))})")
+
+
+def _fd_path(fd: int, path: Path) -> str:
+    """A name for what ``fd`` holds open, so the compiler and dlopen use the very folder or file that was
+    checked, not whatever the path names by then; the path itself where there is no /proc."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
+
+
+def _open_private_folder(folder: Path) -> int:
+    """An fd of ``folder``, created 0700 if missing; raises _Untrusted unless it is this user's and private."""
     try:
-        lib = ctypes.CDLL(str(_build(compiler, Path(cache_dir))))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("building the CPU decode kernels failed, using the PyTorch path: %s", detail)
-        return False
+        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)  # the umask can only take bits away
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except NotADirectoryError:  # also a symlink, with O_NOFOLLOW | O_DIRECTORY
+        raise _Untrusted(f"the kernel cache folder {folder} is not a directory") from None
+    except OSError as e:  # a read-only or foreign home, say
+        raise _Untrusted(f"the kernel cache folder {folder} cannot be used ({e})") from None
+    try:
+        _check_private(os.fstat(fd), f"the kernel cache folder {folder}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_private_file(dir_fd: int, name: str) -> int | None:
+    """An fd of the library ``name`` in the open folder, checked after opening; None where there is none."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink
+            raise _Untrusted(f"the cached kernel library {name} is not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Untrusted(f"the cached kernel library {name} is not a regular file")
+        _check_private(st, f"the cached kernel library {name}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _build(compiler: str, dir_fd: int, folder: Path, name: str) -> None:
+    """Compile into a temporary file in the folder, make it 0700 and rename it into place: a concurrent start
+    never sees a half-written library, and the linker's umask-given mode never lasts."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", f"{_fd_path(dir_fd, folder)}/{tmp}", "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120, pass_fds=(dir_fd,))
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+
+
+def _open_library(compiler: str, folder: Path) -> ctypes.CDLL:
+    """The library from the private ``folder``, built there first if absent; raises _Untrusted where the
+    folder or the file there could have been written by someone else."""
+    name = library_path("", compiler).name
+    dir_fd = _open_private_folder(folder)
+    try:
+        fd = _open_private_file(dir_fd, name)
+        if fd is None:
+            _build(compiler, dir_fd, folder, name)
+            fd = _open_private_file(dir_fd, name)
+        # On success fd stays open for the life of the process: the dynamic loader knows the library by its
+        # /proc/self/fd name, and a later dlopen of that name must never find a different file under it.
+        try:
+            return ctypes.CDLL(_fd_path(fd, folder / name))
+        except BaseException:
+            os.close(fd)
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def _open_cached_library(compiler: str, cache_dir: Path) -> ctypes.CDLL:
+    """The library from the cache; where the cache cannot be trusted, one built into a private temporary
+    folder instead (a compile at every start, but the same kernels, and the cache is never written)."""
+    try:
+        return _open_library(compiler, cache_dir / KERNELS_FOLDER)
+    except _Untrusted as e:
+        logger.warning("%s: building the CPU decode kernels into a private temporary folder instead", e)
+    with tempfile.TemporaryDirectory(prefix="paged_runtime-kernels-") as private:
+        return _open_library(compiler, Path(private))
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """Give the library's functions their signatures; raises where a symbol is missing or the library's
+    structs differ from this file's."""
     for name, (args, result) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
     mismatched = [s.__name__ for i, s in _ABI_SIZES.items() if lib.pr_abi(i) != ctypes.sizeof(s)]
     if mismatched:
-        logger.warning("the CPU kernels' structs differ from cpu.py's (%s): PyTorch path", ", ".join(mismatched))
+        raise ImportError(f"the library's structs differ from cpu.py's ({', '.join(mismatched)})")
+
+
+@functools.cache
+def load(cache_dir: str | Path) -> bool:
+    """Build (if needed) and load the kernels from ``cache_dir``; False, with one warning, where that fails
+    for any reason (no compiler, a failed build, a library that does not load or bind): the PyTorch path
+    runs then, start-up never fails here."""
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: the CPU decode kernels are off (PyTorch path)")
+        return False
+    try:
+        lib = _open_cached_library(compiler, Path(cache_dir))
+        _bind(lib)
+    except Exception as e:  # noqa: BLE001 - the kernels are optional: whatever failed, PyTorch runs
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("the CPU decode kernels did not load, using the PyTorch path: %s", detail)
         return False
     _Loaded.lib, _Loaded.max_rows = lib, lib.pr_abi(0)
     return True
