@@ -107,6 +107,13 @@ def build_server(args: argparse.Namespace) -> AdapterModelServer:
         timeout_keep_alive=args.timeout_keep_alive, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 
 
+def edge_options(args) -> dict:
+    """``build_app``'s HTTP-edge keywords from the shared runtime flags (as ``paged-runtime serve`` passes them)."""
+    return {"allowed_origins": args.allowed_origins, "max_request_body_bytes": args.max_request_body_bytes,
+            "max_prompts_per_request": args.max_prompts_per_request,
+            "metrics_require_api_key": args.metrics_require_api_key}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     model = PagedRuntimeModel(args.model_name, args.served_model_name, lambda: make_engine(config, args))
     model.load()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key))
+    mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key, **edge_options(args)))
     add_engine_error_handlers(kserve_app)
     server.install_drain(kserve_app)
     try:

@@ -47,6 +47,11 @@ class AppArgs(BaseModel):
     max_waiting_requests: int | None = Field(default=None, ge=1)  # the engine's own queue bound (503)
     # on shutdown, how long in-flight requests get to finish (Serve's graceful_shutdown_timeout_s follows it)
     shutdown_timeout: float = Field(default=30.0, ge=0)
+    # the HTTP edge, as `paged-runtime serve`'s flags of the same names (413 / 400 beyond, CORS for these only)
+    max_request_body_bytes: int = Field(default=16 * 2**20, ge=1)
+    max_prompts_per_request: int = Field(default=256, ge=1)
+    allowed_origins: list[str] | None = None
+    metrics_require_api_key: bool = False
 
     # ---- Serve: replicas, placement, admission ----------------------------------------------
     num_replicas: int = Field(default=1, ge=1)

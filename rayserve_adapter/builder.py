@@ -43,7 +43,7 @@ def app(args: AppArgs) -> Application:
     if not args.multi_replica:
         return PagedRuntimeServer.options(**model_options(args)).bind(args)
     model = PagedRuntimeBackend.options(**model_options(args)).bind(args)
-    return PagedRuntimeIngress.options(**ingress_options(args)).bind(model)
+    return PagedRuntimeIngress.options(**ingress_options(args)).bind(model, args.max_request_body_bytes)
 
 
 def model_options(args: AppArgs) -> Dict[str, Any]:

@@ -58,6 +58,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from paged_runtime.entrypoints.openai.api import read_body  # torch-free, as the ingress needs
+from paged_runtime.entrypoints.openai.errors import OpenAIError
 from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
@@ -92,8 +94,12 @@ class EngineReplica:
     @cached_property
     def asgi_app(self):
         from paged_runtime.entrypoints.openai import build_app
-        return build_app(self.engine, self.args.served_model_names, api_key=self.args.api_key,
-                         registry=self.registry, model_root=self.engine.model_root, drain=self.drain)
+        a = self.args
+        return build_app(self.engine, a.served_model_names, api_key=a.api_key, registry=self.registry,
+                         model_root=self.engine.model_root, drain=self.drain, allowed_origins=a.allowed_origins,
+                         max_request_body_bytes=a.max_request_body_bytes,
+                         max_prompts_per_request=a.max_prompts_per_request,
+                         metrics_require_api_key=a.metrics_require_api_key)
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app
@@ -163,14 +169,18 @@ class ServeEngineReplica(EngineReplica):
 class OpenAIIngress:
     """Multi-replica mode's HTTP front: forwards to the model deployment (see the module docstring)."""
 
-    def __init__(self, model: DeploymentHandle) -> None:
+    def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = 16 * 2**20) -> None:
         self.model = model.options(stream=True)
+        self.max_request_body_bytes = max_request_body_bytes  # the replica's limit: never buffer more than it takes
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[Route("/{path:path}", self.proxy, methods=HTTP_METHODS)])
 
     async def proxy(self, request: Request) -> Response:
-        forwarded = await _forwarded(request)
+        try:
+            forwarded = await _forwarded(request, self.max_request_body_bytes)
+        except OpenAIError as e:  # a body over the limit: answered here, as the replica would
+            return e.response()
         stream: DeploymentResponseGenerator = self.model.forward.remote(forwarded)
         handed_over = False
         try:
@@ -193,12 +203,12 @@ class OpenAIIngress:
                 stream.cancel()  # propagates a cancelled request to its child calls; this does not rely on it
 
 
-async def _forwarded(request: Request) -> ForwardedRequest:
+async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:
     scope = request.scope
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root):] or "/"  # the model replica's app is mounted at "/"
-    body = await request.body()
+    body = await read_body(request, max_body_bytes)
     return ForwardedRequest(request.method, path, scope.get("query_string", b""), tuple(scope["headers"]), body,
                             routing_key(path, body))
 

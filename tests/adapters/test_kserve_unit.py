@@ -222,3 +222,11 @@ def test_v2_grpc_request_gives_texts_and_plain_parameters():
     assert fields == {"max_tokens": 4, "temperature": "0.5", "ignore_eos": True}
     req = PromptRequest.model_validate({"prompt": "x", **fields})
     assert (req.max_tokens, req.temperature, req.ignore_eos) == (4, 0.5, True)
+
+
+def test_the_edge_flags_reach_the_openai_app():
+    from kserve_adapter.server import edge_options
+    args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3",
+                       "--allowed-origins", "https://app.example.com", "--metrics-require-api-key"])
+    assert edge_options(args) == {"allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
+                                  "max_prompts_per_request": 3, "metrics_require_api_key": True}

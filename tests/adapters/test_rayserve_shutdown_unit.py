@@ -139,3 +139,34 @@ def test_ingress_answers_503_with_an_openai_body_when_the_replica_died(parts):
     response = ingress_post(stream, {"prompt": "Hi"})
     assert response.status_code == 503 and response.json() == {"error": REPLICA_GONE}
     assert stream.cancelled
+
+
+def test_ingress_refuses_a_body_over_the_limit_without_forwarding_it():
+    from rayserve_adapter.deployment import OpenAIIngress
+
+    class NeverCalled(FakeHandle):
+        def remote(self, request):
+            raise AssertionError("an oversized body must not reach a model replica")
+
+    asgi = OpenAIIngress(NeverCalled(DyingStream([])), max_request_body_bytes=64).__serve_build_asgi_app__()
+
+    async def post(content, headers):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://test") as client:
+            return await client.post("/v1/completions", content=content, headers=headers)
+
+    async def chunked():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(4):
+            yield b"x" * 32
+
+    for content in (b"x" * 65, chunked()):
+        response = asyncio.run(post(content, {"content-type": "application/json"}))
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_app_args_carry_the_http_edge_options_to_the_replica_app():
+    from rayserve_adapter.args import parse_args
+    args = parse_args({"max_request_body_bytes": 1024, "max_prompts_per_request": 2,
+                       "allowed_origins": ["https://app.example.com"], "metrics_require_api_key": True})
+    assert (args.max_request_body_bytes, args.max_prompts_per_request) == (1024, 2)
+    assert args.allowed_origins == ["https://app.example.com"] and args.metrics_require_api_key

@@ -124,7 +124,7 @@ async def _parse(request: Request, model: type[ModelT], max_body_bytes: int) -> 
     """The body as ``model``, after the edge checks (see the module docstring); decoded on a worker
     thread, so a large body does not hold up the event loop."""
     _check_json_content_type(request)
-    body = await _read_body(request, max_body_bytes)
+    body = await read_body(request, max_body_bytes)
     return await anyio.to_thread.run_sync(_decode, body, model)
 
 
@@ -134,7 +134,7 @@ def _check_json_content_type(request: Request) -> None:
         raise unsupported_media_type(content_type)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes (nothing more is read)."""
     declared = request.headers.get("content-length")
     if declared is not None:

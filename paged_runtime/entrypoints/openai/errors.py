@@ -18,7 +18,7 @@ import logging
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
+from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, RequestFailedError
 from paged_runtime.sampling_params import ParameterError
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ def from_exception(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineOverloadedError):
         return OpenAIError(503, str(e), type="server_overloaded", code="server_overloaded",
                            headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, RequestFailedError):  # the engine failed this request alone (and logged why)
+        return OpenAIError(500, str(e), type="server_error", code="request_failed")
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), type="server_error", code="engine_unavailable")
     if isinstance(e, ParameterError):
