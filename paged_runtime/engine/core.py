@@ -87,7 +87,7 @@ class EngineCore:
                                         self.dtype, budget, self.max_model_len, config.max_num_seqs)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy, Speculator(spec) if spec else None)
+                                   config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len)
         num_slots = self.num_blocks * config.block_size
         drafter = DraftModelProposer(draft, allocate_kv_caches(draft, num_slots, self.dtype, self.device)) if draft else None
         graphs = None if config.enforce_eager or self.device.type != "cuda" else (config.max_num_seqs,
@@ -124,10 +124,12 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def step(self) -> list[StepUpdate]:
-        """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs."""
+        """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs, and
+        (token_id None, status FINISHED_ERROR) every request the scheduler failed."""
         out = self.scheduler.schedule()
+        failed = [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
         if out.empty:
-            return []
+            return failed
         result = self.runner.execute(out)
         appended = self.scheduler.update_from_output(out, result.token_ids)
         updates = []
@@ -139,7 +141,7 @@ class EngineCore:
         self._record_spec(out, result.token_ids)
         if self.config.debug_checks:
             self.scheduler.check_invariants()
-        return updates
+        return failed + updates
 
     def stats(self) -> CoreStats:
         """A snapshot, taken on demand (after a step, an add or an abort) rather than every step for nobody."""
