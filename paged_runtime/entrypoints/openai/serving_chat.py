@@ -7,6 +7,7 @@ carrying ``role``, then content chunks, the last of which carries
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from paged_runtime.engine.client import RequestStream
@@ -15,6 +16,7 @@ from paged_runtime.entrypoints.openai.protocol import ChatCompletionRequest, Cha
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
                                                      merge, new_id, now, sse, sse_error, top_by_rank, usage)
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from paged_runtime.sampling_params import RequestOutputKind
 
 # Arguments of apply_chat_template that the request must not override through chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -35,6 +37,9 @@ class ChatServing(OpenAIServing):
         fields = {"logprobs": "top_logprobs",
                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, max_tokens, logprobs, fields=fields)
+        # Streams take each step's delta, a whole response only the final output: no per-step copies.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream
+                                     else RequestOutputKind.FINAL_ONLY)
         text, token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                       req.chat_template_kwargs)
         processed = self.process({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")
@@ -101,16 +106,17 @@ class ChatServing(OpenAIServing):
             return sse({**head, "choices": choices})
 
         finished: set[int] = set()
+        num_completion = 0  # outputs are deltas: the usage chunk's count is their sum
         try:
             for index in range(req.n):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
             async for _, out in merge([stream]):
+                num_completion += sum(len(c.delta_token_ids) for c in out.outputs)
                 choices = [choice for c in out.outputs if (choice := self._delta_choice(req, finished, c)) is not None]
                 if choices:
                     yield chunk(choices)
                 if out.finished and include_usage:
-                    num_completion = sum(len(c.token_ids) for c in out.outputs)
                     yield sse({**head, "choices": [], "usage": usage(len(out.prompt_token_ids), num_completion,
                                                                      out.num_cached_tokens)})
         except Exception as e:  # the engine failed mid-stream: tell the client in-band

@@ -6,6 +6,7 @@ position's being null) precedes each choice's text.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from paged_runtime.entrypoints.openai.protocol import CompletionRequest
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
                                                      merge, new_id, now, sse, sse_error, usage)
 from paged_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from paged_runtime.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -57,6 +59,9 @@ class CompletionServing(OpenAIServing):
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
                                       prompt_logprobs=echo_logprobs)
+        # Streams take each step's delta, a whole response only the final output: no per-step copies.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream
+                                     else RequestOutputKind.FINAL_ONLY)
         processed = [self.process(p, params, "prompt") for p in _prompts(req.prompt)]
         request_id = new_id("cmpl")
         streams = self.submit(request_id, processed, params, req)
@@ -75,7 +80,7 @@ class CompletionServing(OpenAIServing):
                                 "logprobs": logprobs.take() if logprobs else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-                "choices": choices, "usage": _usage(outputs)}
+                "choices": choices, "usage": _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs))}
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)
@@ -106,6 +111,7 @@ class CompletionServing(OpenAIServing):
         state = _StreamState()
         try:
             async for i, out in merge(streams):
+                state.num_completion_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
                 choices = [choice for c in out.outputs
                            if (choice := self._delta_choice(req, state, i, out, c)) is not None]
                 if out.finished:
@@ -115,7 +121,7 @@ class CompletionServing(OpenAIServing):
                                "choices": choices})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": _usage(finished_outputs)})
+                           "choices": [], "usage": _usage(finished_outputs, state.num_completion_tokens)})
         except Exception as e:  # the engine failed mid-stream: tell the client in-band
             yield sse_error(e)
         finally:
@@ -149,6 +155,7 @@ class _StreamState:
     started: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # keeps each choice's running text offset
+    num_completion_tokens: int = 0  # outputs are deltas: the usage chunk's count is their sum
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -161,7 +168,6 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
-    return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(c.token_ids) for o in outputs for c in o.outputs),
+def _usage(outputs: list[RequestOutput], num_completion_tokens: int) -> dict:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs), num_completion_tokens,
                  sum(o.num_cached_tokens for o in outputs))
