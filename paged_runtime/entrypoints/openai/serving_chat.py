@@ -37,9 +37,11 @@ class ChatServing(OpenAIServing):
         fields = {"logprobs": "top_logprobs",
                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, max_tokens, logprobs, fields=fields)
-        # Streams take each step's delta, a whole response only the final output: no per-step copies.
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream
-                                     else RequestOutputKind.FINAL_ONLY)
+        # Streams take each step's delta, never a copy of the sequence. Whole responses stay CUMULATIVE for
+        # now: the step loop takes its per-token metrics (time to first token, inter-token latency) from
+        # every output, and FINAL_ONLY would leave it none until the end.
+        if req.stream:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         text, token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                       req.chat_template_kwargs)
         processed = self.process({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")

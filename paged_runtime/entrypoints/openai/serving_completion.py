@@ -59,9 +59,11 @@ class CompletionServing(OpenAIServing):
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
                                       prompt_logprobs=echo_logprobs)
-        # Streams take each step's delta, a whole response only the final output: no per-step copies.
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream
-                                     else RequestOutputKind.FINAL_ONLY)
+        # Streams take each step's delta, never a copy of the sequence. Whole responses stay CUMULATIVE for
+        # now: the step loop takes its per-token metrics (time to first token, inter-token latency) from
+        # every output, and FINAL_ONLY would leave it none until the end.
+        if req.stream:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         processed = [self.process(p, params, "prompt") for p in _prompts(req.prompt)]
         request_id = new_id("cmpl")
         streams = self.submit(request_id, processed, params, req)
