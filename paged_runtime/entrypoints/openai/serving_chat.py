@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 from paged_runtime.engine.client import RequestStream
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
-                                                     merge, new_id, now, sse, sse_error, top_by_rank, usage)
+from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, merge,
+                                                     new_id, now, sse, sse_error, top_by_rank, usage)
+from paged_runtime.entrypoints.openai.serving_completion import collect_deltas
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from paged_runtime.sampling_params import RequestOutputKind
 
@@ -37,11 +38,9 @@ class ChatServing(OpenAIServing):
         fields = {"logprobs": "top_logprobs",
                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, max_tokens, logprobs, fields=fields)
-        # Streams take each step's delta, never a copy of the sequence. Whole responses stay CUMULATIVE for
-        # now: the step loop takes its per-token metrics (time to first token, inter-token latency) from
-        # every output, and FINAL_ONLY would leave it none until the end.
-        if req.stream:
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        # Each step's delta, never a copy of the sequence; whole responses put the deltas together
+        # (not FINAL_ONLY: the step loop takes its time-to-first-token and inter-token metrics from each output).
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         text, token_ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                       req.chat_template_kwargs)
         processed = self.process({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")
@@ -49,7 +48,7 @@ class ChatServing(OpenAIServing):
         streams = self.submit(request_id, [processed], params, req)
         if req.stream:
             return StreamingResult(self._stream(req, request_id, model, streams[0]), streams)
-        return self._response(req, request_id, model, (await collect(streams))[0])
+        return self._response(req, request_id, model, (await collect_deltas(streams))[0])
 
     # ---- the prompt ------------------------------------------------------------------------
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from paged_runtime.engine.client import RequestStream
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import CompletionRequest
-from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
-                                                     merge, new_id, now, sse, sse_error, usage)
+from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, merge,
+                                                     new_id, now, sse, sse_error, usage)
 from paged_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from paged_runtime.sampling_params import RequestOutputKind
 
@@ -59,17 +59,17 @@ class CompletionServing(OpenAIServing):
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
                                       prompt_logprobs=echo_logprobs)
-        # Streams take each step's delta, never a copy of the sequence. Whole responses stay CUMULATIVE for
-        # now: the step loop takes its per-token metrics (time to first token, inter-token latency) from
-        # every output, and FINAL_ONLY would leave it none until the end.
-        if req.stream:
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        # Each step's delta, never a copy of the sequence; whole responses put the deltas together (not
+        # FINAL_ONLY: the step loop takes its time-to-first-token and inter-token metrics from each output).
+        # best_of > n cannot stream (refused above) and has no deltas: its whole response comes at the end.
+        kind = RequestOutputKind.DELTA if params.best_of == params.n else RequestOutputKind.FINAL_ONLY
+        params = dataclasses.replace(params, output_kind=kind)
         processed = [self.process(p, params, "prompt") for p in _prompts(req.prompt)]
         request_id = new_id("cmpl")
         streams = self.submit(request_id, processed, params, req)
         if req.stream:
             return StreamingResult(self._stream(req, request_id, model, streams), streams)
-        return self._response(req, request_id, model, await collect(streams))
+        return self._response(req, request_id, model, await collect_deltas(streams))
 
     # ---- whole response ------------------------------------------------------------------
     def _response(self, req: CompletionRequest, request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
@@ -158,6 +158,31 @@ class _StreamState:
     finished: set[int] = field(default_factory=set)
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # keeps each choice's running text offset
     num_completion_tokens: int = 0  # outputs are deltas: the usage chunk's count is their sum
+
+
+async def collect_deltas(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The whole finished output of every stream, in order, put together from its DELTA outputs (a
+    FINAL_ONLY output is its own whole). Reads the ``delta_*`` fields: an abort's output repeats none."""
+    texts: list[dict[int, list[str]]] = [{} for _ in streams]
+    wholes: list[dict[int, CompletionOutput]] = [{} for _ in streams]
+    final: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        for c in out.outputs:
+            whole = wholes[i].get(c.index)
+            if whole is None:
+                whole = wholes[i][c.index] = CompletionOutput(c.index, "", [], None,
+                                                              [] if c.logprobs is not None else None)
+            texts[i].setdefault(c.index, []).append(c.delta_text)
+            whole.token_ids += c.delta_token_ids
+            if whole.logprobs is not None:
+                whole.logprobs += c.delta_logprobs
+            whole.cumulative_logprob, whole.finish_reason, whole.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                                c.stop_reason)
+        if out.finished:
+            for index, whole in wholes[i].items():
+                whole.text = "".join(texts[i][index])
+            final[i] = dataclasses.replace(out, outputs=[wholes[i][index] for index in sorted(wholes[i])])
+    return final  # type: ignore[return-value]
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
