@@ -14,6 +14,10 @@ from paged_runtime.spec_decode.config import SpeculativeConfig
 CACHE_ENV = "PAGED_RUNTIME_CACHE"
 CPU_KERNELS_ENV = "PAGED_RUNTIME_CPU_KERNELS"
 ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
+# vLLM has no caps; OpenAI allows 4 stop strings. 64 of up to 512 characters serve any real use and
+# keep the per-token match (one pattern over a tail window of the longest string) small.
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_STRING_LENGTH = 512
 
 
 def _env_flag(name: str) -> bool | None:
@@ -46,6 +50,9 @@ class EngineConfig:
     # Plain PyTorch everywhere: no CUDA graphs on the GPU, no compiled kernels on the CPU.
     enforce_eager: bool = False
     debug_checks: bool = False  # check block-accounting invariants after every step
+    # Caps on a request's stop strings (each is matched after every token): how many, and how long each.
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} as in vLLM, or its JSON.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Settings whose defaults come from the environment, read here once (not deep in the library):
@@ -58,7 +65,7 @@ class EngineConfig:
     attention_backend: str | None = field(default_factory=lambda: os.environ.get(ATTENTION_BACKEND_ENV) or None)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "max_stop_strings", "max_stop_string_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -17,7 +17,8 @@ from paged_runtime.sampling_params import SamplingParams
 
 
 def child_request_id(group_id: str, index: int) -> str:
-    """Internal id of parallel-sampling sequence ``index`` (0 is the group's own id)."""
+    """Internal id of parallel-sampling sequence ``index`` (0 is the group's own id). Group ids are the
+    engine's own (``LLMEngine`` maps callers' ids to them), so no caller string can equal a child's id."""
     return group_id if index == 0 else f"{group_id}\x1f{index}"
 
 
@@ -49,6 +50,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    error: str | None = None  # why the engine failed it (status FINISHED_ERROR); safe to show the client
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of each full block of all_token_ids

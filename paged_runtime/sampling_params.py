@@ -8,12 +8,29 @@ this class checks.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+import operator
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # OpenAI's cap for top_logprobs
 LOGIT_BIAS_LIMIT = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 INVALID_VALUE = "invalid_value"  # OpenAI's error code for a value outside its field's domain
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32: a larger value becomes inf there
+# repetition_penalty divides positive logits and multiplies negative ones: outside this range a logit
+# overflows float32 (inf, then NaN probabilities) or the penalty itself rounds to 0.
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+_INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of parallel-sampling sequence ``index``: ``seed + index``, wrapped into torch's seed range.
+
+    torch reads a seed modulo 2**64 (-1 is 2**64 - 1), so wrapping changes no stream that did not overflow.
+    """
+    value = seed + index
+    return value if value <= SEED_MAX else value - 2**64
 
 
 class RequestOutputKind(enum.Enum):
@@ -73,17 +90,32 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
         if self.best_of is None:
             self.best_of = self.n
+        self._check_types()
+        if self.top_k == -1:
+            self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
-                               for k, v in self.logit_bias.items()}
-        self._validate()
+            self.logit_bias = {k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()}
+        self.validate()
 
-    def _validate(self) -> None:
+    def _check_types(self) -> None:
+        """Integers where a step indexes or counts (2.5 sequences would fail inside a step), finite float32
+        numbers where the sampler computes (NaN passes every comparison-based range check)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _as_int(name, value))
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _as_float32(name, getattr(self, name)))
+        if self.logit_bias:
+            self.logit_bias = {_as_int("logit_bias", k, "keys"): _as_float32("logit_bias", v, "values")
+                               for k, v in self.logit_bias.items()}
+
+    def validate(self) -> None:
+        """Range and consistency checks (run at construction; the engine runs them again on what it is given)."""
         # (param, holds, message): range checks first, so a value is judged before its clash with others.
+        low, high = REPETITION_PENALTY_RANGE
         in_range = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
             ("best_of", self.best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
@@ -95,8 +127,8 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            ("repetition_penalty", self.repetition_penalty > 0,
-             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            ("repetition_penalty", low <= self.repetition_penalty <= high,
+             f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be at least 1, got {self.max_tokens}"),
             ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
@@ -112,6 +144,9 @@ class SamplingParams:
             ("best_of", self.best_of >= self.n, f"best_of must be at least n ({self.n}), got {self.best_of}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            # As vLLM: deltas of best_of candidates would stream text the n best may not contain.
+            ("best_of", self.output_kind != RequestOutputKind.DELTA or self.best_of == self.n,
+             f"best_of ({self.best_of}) must equal n ({self.n}) for delta (streamed) outputs"),
         ]
         for code, checks in ((INVALID_VALUE, in_range), (None, consistent)):
             for param, ok, message in checks:
@@ -130,3 +165,21 @@ class SamplingParams:
     def needs_logprobs(self) -> bool:
         """The sampled token's logprob is needed: asked for, or to rank best_of candidates."""
         return self.logprobs is not None or self.best_of > self.n
+
+
+def _as_int(name: str, value, part: str = "") -> int:
+    """``value`` as an int (numpy integers too, never a float); ``part`` names what of the field it is."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ParameterError(f"{name}{part and ' ' + part} must be an integer, got {value!r}",
+                             name, INVALID_VALUE) from None
+
+
+def _as_float32(name: str, value, part: str = "") -> float:
+    """``value`` as a float that is finite in float32, the sampler's precision (NaN and inf are refused)."""
+    number = float(value) if isinstance(value, (int, float)) or hasattr(value, "__float__") else math.nan
+    if isinstance(value, str) or not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
+        raise ParameterError(f"{name}{part and ' ' + part} must be a finite number, got {value!r}",
+                             name, INVALID_VALUE)
+    return number

@@ -17,6 +17,19 @@ preemption is not chosen again until it has finished its prefill, unless
 nothing else can be. Under "priority", a waiting request that does not fit
 preempts running requests of strictly lower priority.
 
+Limits: no token is scheduled at or past ``max_model_len`` (a request that
+reaches it finishes with "length", min_tokens or not). A request that can never
+fit the KV cache (more blocks than the whole cache, checked at admission; or,
+running alone, it still cannot grow) is finished with ``FINISHED_ERROR`` and
+an ``error`` message instead of preempting itself forever while first-come-
+first-served starves everyone behind it; ``take_failed`` hands such requests
+to the core, which reports them.
+
+Seats: a request waiting to fork holds seats for its siblings, so
+``max_num_seqs`` counts running sequences plus pending forks. A group larger
+than the limit (lowered live below a queued request's best_of) is admitted
+when nothing else runs, and runs alone, rather than wait forever.
+
 Parallel sampling (n / best_of): a request computes all but its last prompt
 token, then forks into best_of sequences that share every block (the partial
 tail too, copy-on-write). Each sequence computes the last token itself and
@@ -50,7 +63,7 @@ SCHEDULING_POLICIES = {"fcfs": _fcfs_key, "priority": _priority_key}
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", speculator: Speculator | None = None) -> None:
+                 policy: str = "fcfs", speculator: Speculator | None = None, max_model_len: int | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
@@ -65,6 +78,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self._known_to_runner: set[str] = set()  # requests the runner holds state for
         self.speculator = speculator
+        self.max_model_len = max_model_len  # None: no limit of its own (unit tests)
+        self._failed: list[Request] = []  # finished with FINISHED_ERROR since the last take_failed
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -83,6 +98,11 @@ class Scheduler:
                 self.waiting.remove(request)
             self._release(request, status)
         return finished
+
+    def take_failed(self) -> list[Request]:
+        """Requests finished with ``FINISHED_ERROR`` (``request.error`` says why) since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -114,6 +134,11 @@ class Scheduler:
                 if drafts:  # speculation is optional: drop it before preempting anyone
                     drafts = []
                     continue
+                if self.running == [request]:  # the whole cache is its own and it still cannot grow
+                    self.running.remove(request)
+                    self._fail(request, f"the request outgrew the KV cache: {request.num_tokens} tokens need more "
+                                        f"than its {self.kv_cache.pool.num_blocks} blocks")
+                    break
                 victim = self._pick_victim()
                 refund = self._preempt(victim, scheduled)
                 budget += refund
@@ -142,20 +167,30 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         position = 0  # paused requests (beam search) are skipped, not waited for
+        seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
         while position < len(self.waiting) and budget > 0:
             request = self.waiting[position]
             if request.paused:
                 position += 1
                 continue
-            if len(self.running) + 1 + request.num_pending_forks > self.max_num_seqs:
-                break
+            error = self._never_fits(request)
+            if error is not None:
+                self._fail(self.waiting.pop(position), error)
+                continue
+            if seats and seats + 1 + request.num_pending_forks > self.max_num_seqs:
+                break  # an oversized group (seats == 0) goes in alone rather than never
             computed, num_computed = self.kv_cache.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed):
                 if self._preempt_for_priority(request, scheduled):
                     budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+                    seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
                     continue  # rare: recount the budget the victim may have given back
+                if not self.running:  # every block is free and it still does not fit: it never will
+                    self._fail(self.waiting.pop(position), "the request does not fit in the whole KV cache")
+                    continue
                 break
+            seats += 1 + request.num_pending_forks
             self.kv_cache.record_prefix_query(request, num_computed)
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
@@ -166,6 +201,16 @@ class Scheduler:
             if num_new:  # 0 when the fork point is right at admission: it forks next step
                 scheduled.append(self._schedule(request, num_new))
             budget -= num_new
+
+    def _never_fits(self, request: Request) -> str | None:
+        """Why ``request`` could never run (its tokens alone exceed the context or the whole cache), or None."""
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return f"the request has {request.num_tokens} tokens, max_model_len is {self.max_model_len}"
+        num_blocks = -(-request.num_tokens // self.kv_cache.block_size)
+        if num_blocks > self.kv_cache.pool.num_blocks:
+            return (f"the request's {request.num_tokens} tokens need {num_blocks} blocks; the whole KV cache has "
+                    f"{self.kv_cache.pool.num_blocks}")
+        return None
 
     def _preempt_for_priority(self, request: Request, scheduled: list[ScheduledRequest]) -> bool:
         """Under "priority", free a strictly lower-priority runner for ``request``; False if none."""
@@ -199,6 +244,8 @@ class Scheduler:
         if self.speculator is None or num_new != 1 or request.num_uncomputed_tokens != 1:
             return []
         limit = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - request.num_tokens - 1)
         return self.speculator.propose(request, limit)
 
     def fork_request(self, parent: Request, request_id: str) -> Request:
@@ -273,19 +320,26 @@ class Scheduler:
                 self._release(request, status)
         return appended
 
-    @staticmethod
-    def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
+        at_limit = self.max_model_len is not None and request.num_tokens >= self.max_model_len
         if request.num_output_tokens < params.min_tokens:
-            return None  # EOS and stop tokens were masked by the sampler until here
+            # EOS and stop tokens were masked by the sampler until here; the context ends it regardless.
+            return RequestStatus.FINISHED_LENGTH if at_limit else None
         if token_id in request.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
+        if request.num_output_tokens >= request.max_tokens or at_limit:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _fail(self, request: Request, error: str) -> None:
+        """Finish a request (already out of the queues) with FINISHED_ERROR; its blocks go back at once."""
+        request.error = error
+        self._release(request, RequestStatus.FINISHED_ERROR)
+        self._failed.append(request)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -296,6 +350,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants(self.running + list(self.waiting))
-        assert len(self.running) <= self.max_num_seqs
+        # Above the limit only as one group admitted alone (the limit was lowered below its size).
+        assert len(self.running) <= self.max_num_seqs or len({r.group_id for r in self.running}) == 1
         if not self.requests:
             assert self.kv_cache.num_free_blocks == self.kv_cache.pool.num_blocks, "idle engine holds blocks"

@@ -42,9 +42,10 @@ class StepFailure(Exception):
     """A step failed for the requests of ``group_ids`` alone; they are already finished with
     ``FINISHED_ERROR`` and the invariants hold. The cause is ``__cause__``."""
 
-    def __init__(self, group_ids: list[str]) -> None:
+    def __init__(self, group_ids: list[str], updates: list[StepUpdate] | None = None) -> None:
         super().__init__(f"a step failed for requests {group_ids}")
         self.group_ids = group_ids
+        self.updates = updates or []  # the step's other news (requests the scheduler failed), to deliver anyway
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class EngineCore:
                                         self.dtype, budget, self.max_model_len, config.max_num_seqs)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy, Speculator(spec) if spec else None)
+                                   config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len)
         num_slots = self.num_blocks * config.block_size
         drafter = DraftModelProposer(draft, allocate_kv_caches(draft, num_slots, self.dtype, self.device)) if draft else None
         graphs = None if config.enforce_eager or self.device.type != "cuda" else (config.max_num_seqs,
@@ -144,19 +145,21 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def step(self) -> list[StepUpdate]:
-        """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs."""
+        """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs, and
+        (token_id None, status FINISHED_ERROR) every request the scheduler failed."""
         out = self.scheduler.schedule()
+        failed = [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
         if out.empty:
-            return []
+            return failed
         try:
             result = self.runner.execute(out)
         except RequestSetupError as e:  # only these requests: the rest can run next step as scheduled
-            raise self._contain(e.request_ids) from e.__cause__
+            raise self._contain(e.request_ids, failed) from e.__cause__
         except Exception as e:  # the forward pass or sampling: every request in it is suspect
             self.num_failed_steps_in_a_row += 1
             if self.num_failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
                 raise  # not one bad batch: the device or the runner itself
-            raise self._contain([s.request_id for s in out.scheduled]) from e
+            raise self._contain([s.request_id for s in out.scheduled], failed) from e
         self.num_failed_steps_in_a_row = 0
         appended = self.scheduler.update_from_output(out, result.token_ids)
         updates = []
@@ -168,13 +171,14 @@ class EngineCore:
         self._record_spec(out, result.token_ids)
         if self.config.debug_checks:
             self.scheduler.check_invariants()
-        return updates
+        return failed + updates
 
-    def _contain(self, request_ids: list[str]) -> StepFailure:
+    def _contain(self, request_ids: list[str], updates: list[StepUpdate]) -> StepFailure:
+        """Fail the groups of ``request_ids``; ``updates`` (what the scheduler failed this step) still go out."""
         requests = self.scheduler.requests
         group_ids = sorted({requests[r].group_id for r in request_ids if r in requests})
         self.fail_groups(group_ids)
-        return StepFailure(group_ids)
+        return StepFailure(group_ids, updates)
 
     def fail_groups(self, group_ids: list[str]) -> None:
         """Finish every sequence of these groups with FINISHED_ERROR (blocks freed, the runner's state

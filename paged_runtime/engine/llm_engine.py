@@ -6,6 +6,17 @@ stop strings (a stop string ends its sequence in the step it appears) and
 logprobs. A request with n / best_of > 1 is one group of sequences; its
 output is finished when all of them are, and then holds the n best.
 
+Ids: the core knows a request only by an id the engine makes (a group id, its
+parallel-sampling children derived from it); callers' ids live in a map here
+and in the outputs, so no caller string can equal another request's internal
+id. ``add_request`` refuses a caller id still in use; ``abort_request`` takes
+callers' ids.
+
+Outputs follow ``params.output_kind``: CUMULATIVE (everything so far, plus the
+step's ``delta_*``), DELTA (only what the step added, no copy of the sequence)
+or FINAL_ONLY (one output, at the end). A request the core fails (it can never
+fit the KV cache) ends with ``RequestOutput.error`` and finish_reason "error".
+
 Declared API (what ``LLM`` and ``AsyncEngine`` use): ``config``, ``tokenizer``,
 ``max_model_len``, ``model_root``, ``vocab_size``, ``max_num_seqs``,
 ``process``, ``add_request``, ``abort_request``, ``step``,
@@ -48,18 +59,20 @@ class Sequence:
 @dataclass
 class RequestState:
     """Output-side state of one user request (a group of best_of sequences)."""
-    request_id: str
+    request_id: str  # the caller's
+    group_id: str  # the engine's: what the core knows the group by
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     sequences: dict[int, Sequence] = field(default_factory=dict)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # the core failed the group
 
     @property
     def finished(self) -> bool:
-        return (len(self.sequences) == self.params.best_of
-                and all(s.completion.finish_reason for s in self.sequences.values()))
+        return self.error is not None or (len(self.sequences) == self.params.best_of
+                                          and all(s.completion.finish_reason for s in self.sequences.values()))
 
 
 class LLMEngine:
@@ -71,29 +84,43 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.max_model_len = self.core.max_model_len
         self._processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
-                                    config.max_num_seqs)
+                                    config.max_num_seqs, max_stop_strings=config.max_stop_strings,
+                                    max_stop_string_length=config.max_stop_string_length)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}  # by internal group id
+        self._group_ids: dict[str, str] = {}  # caller's request id -> internal group id
         self._arrivals = itertools.count()
         self.decode_token = lru_cache(maxsize=65536)(lambda t: self.tokenizer.decode([t]))
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request; a prompt already validated by ``process`` is taken as it is."""
-        if request_id in self.states:
+        """Queue a request. A prompt processed elsewhere (``ProcessedPrompt``) is re-checked cheaply against
+        this engine (length, token ids, output budget, stop caps): ``ParameterError`` names the field,
+        ValueError for an id in use. Nothing a step cannot run gets in."""
+        if request_id in self._group_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt, params)
-        request = Request(request_id, processed.token_ids, params, next(self._arrivals), processed.max_tokens,
+        if isinstance(prompt, ProcessedPrompt):
+            self._processor.check(prompt, params)
+            processed = prompt
+        else:
+            processed = self.process(prompt, params)
+        params = self._processor.engine_params(params)
+        arrival = next(self._arrivals)
+        group_id = f"{arrival}"  # the engine's own: callers' ids never reach the core
+        request = Request(group_id, processed.token_ids, params, arrival, processed.max_tokens,
                           self.eos_token_ids, processed.prompt, priority, cache_salt)
         self.core.add_request(request)
-        self.states[request_id] = RequestState(request_id, processed.prompt, processed.token_ids, params,
-                                               prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self._group_ids[request_id] = group_id
+        self.states[group_id] = RequestState(request_id, group_id, processed.prompt, processed.token_ids, params,
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests by the callers' ids; ids not (or no longer) in the engine are ignored."""
         for request_id in request_ids:
-            state = self.states.pop(request_id, None)
-            if state is not None:
-                ids = [child_request_id(request_id, i) for i in range(state.params.best_of)]
+            group_id = self._group_ids.pop(request_id, None)
+            if group_id is not None:
+                state = self.states.pop(group_id)
+                ids = [child_request_id(group_id, i) for i in range(state.params.best_of)]
                 self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -120,7 +147,8 @@ class LLMEngine:
 
     def is_scheduled(self, request_id: str) -> bool:
         """True once the request has computed any token, or has left the engine (finished in a step)."""
-        request = self.core.scheduler.requests.get(request_id)
+        group_id = self._group_ids.get(request_id)
+        request = self.core.scheduler.requests.get(group_id) if group_id is not None else None
         return request is None or request.num_computed_tokens > 0
 
     @property
@@ -135,7 +163,9 @@ class LLMEngine:
         """Move the batch limit to ``max_num_seqs``; True once fully applied, False to call again after a step.
 
         New requests are checked against it at once. The scheduler's limit never drops below the requests
-        running now, so lowering it preempts nobody: it follows them down as they finish.
+        running now, so lowering it preempts nobody: it follows them down as they finish. A queued group
+        larger than the new limit is not stranded: the scheduler admits it when nothing else runs, and it
+        runs alone.
         """
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
@@ -165,10 +195,15 @@ class LLMEngine:
             updates = self.core.step()
         except StepFailure as failure:
             logger.error("a step failed; failing its requests %s", failure.group_ids, exc_info=failure.__cause__)
-            return [self._error_output(group_id, failure.__cause__) for group_id in failure.group_ids]
+            return (self._outputs(failure.updates)
+                    + [self._error_output(group_id, failure.__cause__) for group_id in failure.group_ids])
         except Exception:
             logger.critical("a step failed and the engine's state cannot be trusted: every request fails")
             raise  # with its traceback, logged where it is handled
+        return self._outputs(updates)
+
+    def _outputs(self, updates: list[StepUpdate]) -> list[RequestOutput]:
+        """Apply a step's updates; the outputs of the groups that moved (each sequence listed once)."""
         moved: dict[str, list[int]] = {}
         failed: dict[str, BaseException] = {}
         for update in updates:
@@ -209,27 +244,24 @@ class LLMEngine:
         return [self._error_output(group_id, error) for group_id, error in failed.items()]
 
     def _error_output(self, group_id: str, error: BaseException | None) -> RequestOutput:
-        """The finished output of a request the engine failed: what it had (none of it new), finish_reason
-        "error", and a message safe to show its client (the exception's type, never its text)."""
+        """The finished output of a group the engine failed: its n sequences empty, finish_reason "error",
+        and a message safe to show its client (the exception's type, never its text)."""
         state = self.states.pop(group_id, None)
         message = f"the engine failed this request: {type(error).__name__}"
         if state is None:  # not one of ours (beam search drives the core itself): nobody to show more
             return RequestOutput(group_id, None, [], [], True, error=message)
-        params = state.params
-        completions = []
-        for index in range(params.n):
-            seq = state.sequences.get(index) if params.best_of == params.n else None
-            keep = seq is not None and params.output_kind != RequestOutputKind.DELTA
-            c = seq.completion if keep else None
-            completions.append(CompletionOutput(index, c.text if c else "", list(c.token_ids) if c else [],
-                                                c.cumulative_logprob if c else None,
-                                                list(c.logprobs) if c and c.logprobs is not None else None, "error"))
+        self._group_ids.pop(state.request_id, None)
+        completions = [CompletionOutput(i, "", [], finish_reason=RequestStatus.FINISHED_ERROR.value)
+                       for i in range(state.params.n)]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
                              state.prompt_logprobs, state.num_cached_tokens, error=message)
 
     # ---- per-sequence bookkeeping ------------------------------------------------------
     def _apply(self, update: StepUpdate) -> int | None:
         request, state = update.request, self.states[update.request.group_id]
+        if request.status == RequestStatus.FINISHED_ERROR and update.token_id is None:
+            self._fail(state, request.error or "the engine failed this request")
+            return None
         if update.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, *update.prompt_logprobs)
         if update.token_id is None:
@@ -288,40 +320,66 @@ class LLMEngine:
             if first + offset >= have:
                 state.prompt_logprobs.append(self._position_logprobs(lp))
 
+    def _fail(self, state: RequestState, error: str) -> None:
+        """The core failed one sequence of the group: the group ends with ``error`` (siblings finished too)."""
+        state.error = error
+        ids = [child_request_id(state.group_id, i) for i in range(state.params.best_of)]
+        self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+
     # ---- outputs ---------------------------------------------------------------------
-    def _make_output(self, group_id: str, moved: list[int]) -> RequestOutput:
+    def _make_output(self, group_id: str, moved: list[int]) -> RequestOutput | None:
+        """The group's output for this step per its output kind; None when FINAL_ONLY has nothing yet."""
         state = self.states[group_id]
+        kind = state.params.output_kind
         finished = state.finished
         if finished:
-            del self.states[group_id]
-            completions = self._best(state)
+            del self.states[group_id], self._group_ids[state.request_id]
+            completions = self._final(state)
+        elif kind == RequestOutputKind.FINAL_ONLY:
+            return None  # deltas keep accumulating until the final output
         else:
-            completions = [_snapshot(state.sequences[i].completion) for i in moved]
-        for i in moved:
-            completion = state.sequences[i].completion
-            completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], []
-        return RequestOutput(group_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             state.prompt_logprobs, state.num_cached_tokens)
+            completions = [_take(state.sequences[i].completion, kind) for i in moved]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.prompt_logprobs, state.num_cached_tokens, state.error)
 
     @staticmethod
-    def _best(state: RequestState) -> list[CompletionOutput]:
-        """All n sequences, or the n best of best_of by cumulative logprob, as indices 0..n-1."""
-        sequences = [state.sequences[i].completion for i in sorted(state.sequences)]
-        if state.params.best_of > state.params.n:
-            sequences = sorted(sequences, key=lambda c: c.cumulative_logprob, reverse=True)[:state.params.n]
+    def _final(state: RequestState) -> list[CompletionOutput]:
+        """All n sequences, or the n best of best_of by cumulative logprob, as indices 0..n-1 (DELTA: what
+        each added since its last output). The state is dropped, so its objects are handed over, not copied."""
+        kind = state.params.output_kind
+        if state.error is not None:  # every sequence as far as it got, the missing ones empty
+            sequences = [state.sequences[i].completion if i in state.sequences else CompletionOutput(i, "", [])
+                         for i in range(state.params.n)]
+            for c in sequences:
+                c.finish_reason, c.stop_reason = RequestStatus.FINISHED_ERROR.value, None
+        else:
+            sequences = [state.sequences[i].completion for i in sorted(state.sequences)]
+            if state.params.best_of > state.params.n:  # never DELTA (SamplingParams refuses it)
+                sequences = sorted(sequences, key=lambda c: c.cumulative_logprob, reverse=True)[:state.params.n]
         outputs = []
         for index, c in enumerate(sequences):
-            out = _snapshot(c)
+            out = _take(c, kind) if kind == RequestOutputKind.DELTA else c
             out.index = index
             outputs.append(out)
         return outputs
 
 
-def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    """A copy the caller may keep while the engine goes on appending."""
-    return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                            list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
-                            c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs))
+def _take(c: CompletionOutput, kind: RequestOutputKind) -> CompletionOutput:
+    """This step's output of a running sequence, and its delta fields start over.
+
+    CUMULATIVE: a copy the caller may keep while the engine goes on appending. DELTA: only the step's
+    text, token ids and logprobs (the delta lists themselves, handed over), O(step) not O(sequence).
+    """
+    if kind == RequestOutputKind.DELTA:
+        logprobs = c.delta_logprobs if c.logprobs is not None else None
+        out = CompletionOutput(c.index, c.delta_text, c.delta_token_ids, c.cumulative_logprob, logprobs,
+                               c.finish_reason, c.stop_reason, c.delta_text, c.delta_token_ids, c.delta_logprobs)
+    else:
+        out = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                               list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
+                               c.delta_text, list(c.delta_token_ids), list(c.delta_logprobs))
+    c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], []
+    return out
 
 
 def _eos_token_ids(tokenizer, model_path: Path, model_config: ModelConfig) -> frozenset[int]:

@@ -1,14 +1,21 @@
 """Turns a user prompt and its parameters into a validated token-level request.
 
 ``SamplingParams`` validates itself; what depends on this engine (its vocabulary,
-context length and batch limit) and the prompt are checked here. Everything a
-client can get wrong raises ``ParameterError`` with the field in ``param``,
-before the request reaches the scheduler.
+context length, batch limit and stop-string caps) and the prompt are checked
+here. Everything a client can get wrong raises ``ParameterError`` with the
+field in ``param``, before the request reaches the scheduler.
+
+``check`` is the engine's second line: what ``add_request`` runs on a prompt
+processed elsewhere (another thread's copy of this class, or a caller's own
+``ProcessedPrompt``), so nothing a step cannot run gets in. It is cheap: no
+tokenizing, one pass over the token ids.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from paged_runtime.config import DEFAULT_MAX_STOP_STRING_LENGTH, DEFAULT_MAX_STOP_STRINGS
 from paged_runtime.sampling_params import ParameterError, SamplingParams
 
 PromptType = str | dict | list[int]
@@ -22,16 +29,64 @@ class ProcessedPrompt:
 
 
 class Processor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int, *,
+                 max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
+                 max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.max_stop_strings = max_stop_strings
+        self.max_stop_string_length = max_stop_string_length
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """The prompt's token ids and its output budget (max_tokens clamped to the room left in the context)."""
+        for name, value in (("n", params.n), ("best_of", params.best_of)):  # n first: best_of defaults to it
+            if value > self.max_num_seqs:
+                raise ParameterError(f"{name} ({value}) must not exceed this server's max_num_seqs "
+                                     f"({self.max_num_seqs})", name)
         self._check_params(params)
         text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self._check_budget(max_tokens, room, params)
+        return ProcessedPrompt(text, token_ids, max_tokens)
+
+    def check(self, processed: ProcessedPrompt, params: SamplingParams) -> None:
+        """Re-check a processed prompt against this engine: what a step could not run raises ``ParameterError``.
+
+        n / best_of are not held against max_num_seqs here: the limit may have been lowered since the
+        request was accepted, and the scheduler serves such a group on its own (never refuses it late).
+        """
+        params.validate()
+        self._check_params(params)
+        self._check_prompt(processed.token_ids)
+        self._check_budget(processed.max_tokens, self.max_model_len - len(processed.token_ids), params)
+
+    def engine_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` as the engine runs them: a top_k at or beyond the vocabulary is no filter (as vLLM),
+        so no step ever sees a top_k that overflows its int64 tensors. A copy, never the caller's object."""
+        if params.top_k >= self.vocab_size:
+            return dataclasses.replace(params, top_k=0)
+        return params
+
+    def _check_params(self, params: SamplingParams) -> None:
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ParameterError(f"{name} token id {bad[0]} is out of range for vocabulary size "
+                                     f"{self.vocab_size}", name)
+        # Every stop string is matched after every token of the request: caps keep that cost bounded.
+        if len(params.stop) > self.max_stop_strings:
+            raise ParameterError(f"stop has {len(params.stop)} strings; this server allows at most "
+                                 f"{self.max_stop_strings}", "stop")
+        longest = max(params.stop, key=len, default="")
+        if len(longest) > self.max_stop_string_length:
+            raise ParameterError(f"stop string of {len(longest)} characters; this server allows at most "
+                                 f"{self.max_stop_string_length}", "stop")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ParameterError("prompt is empty: it must contain at least one token", "prompt")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -41,21 +96,16 @@ class Processor:
         if len(token_ids) >= self.max_model_len:
             raise ParameterError(f"prompt is {len(token_ids)} tokens long, but max_model_len is "
                                  f"{self.max_model_len} (prompt plus at least one output token must fit)", "prompt")
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return ProcessedPrompt(text, token_ids, max_tokens)
 
-    def _check_params(self, params: SamplingParams) -> None:
-        # n first: best_of defaults to n, and the client should hear about the field it actually sent.
-        for name, value in (("n", params.n), ("best_of", params.best_of)):
-            if value > self.max_num_seqs:
-                raise ParameterError(f"{name} ({value}) must not exceed this server's max_num_seqs "
-                                     f"({self.max_num_seqs})", name)
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ParameterError(f"{name} token id {bad[0]} is out of range for vocabulary size "
-                                     f"{self.vocab_size}", name)
+    @staticmethod
+    def _check_budget(max_tokens: int, room: int, params: SamplingParams) -> None:
+        """The resolved output cap fits the context, and so do the tokens min_tokens forces."""
+        if not 1 <= max_tokens <= room:
+            raise ParameterError(f"max_tokens ({max_tokens}) must be in [1, {room}], the room left in the "
+                                 "context after the prompt", "max_tokens")
+        if params.min_tokens > room:
+            raise ParameterError(f"min_tokens ({params.min_tokens}) exceeds the room left in the context after "
+                                 f"the prompt ({room} tokens)", "min_tokens")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -83,6 +83,10 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                         help="enable CORS for exactly these origins (e.g. https://app.example.com); None: no CORS")
     server.add_argument("--metrics-require-api-key", action="store_true",
                         help="with --api-key, /metrics needs the key too (default: open for scrapers)")
+    server.add_argument("--max-stop-strings", type=positive_int, default=64,
+                        help="most stop strings one request may send (each is matched after every token)")
+    server.add_argument("--max-stop-string-length", type=positive_int, default=512,
+                        help="longest stop string a request may send, in characters")
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     server.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -1,6 +1,7 @@
 """Offline batch inference with vLLM's ``LLM`` interface, over ``LLMEngine``'s declared methods only."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ from paged_runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import PromptType
 from paged_runtime.outputs import RequestOutput
-from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -72,8 +73,9 @@ class LLM:
         # Validate everything first so a bad prompt leaves nothing half-submitted.
         processed = [self.engine.process(p, sp) for p, sp, _ in work]
         request_ids = [f"llm-{next(self._ids)}" for _ in work]
+        final_only = _final_only([params for _, params, _ in work])
         for request_id, prompt, (_, params, priority) in zip(request_ids, processed, work):
-            self.engine.add_request(request_id, prompt, params, priority)
+            self.engine.add_request(request_id, prompt, final_only[id(params)], priority)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(work), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
@@ -86,6 +88,12 @@ class LLM:
                 self.engine.abort_request([r for r in request_ids if r not in finished])
                 raise
         return [finished[r] for r in request_ids]
+
+
+def _final_only(params: list[SamplingParams]) -> dict[int, SamplingParams]:
+    """A FINAL_ONLY copy of each distinct params object (by id): only finished outputs are wanted, so the
+    engine builds nothing per step. The caller's objects are left as they are."""
+    return {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

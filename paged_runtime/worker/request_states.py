@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from paged_runtime.core.scheduler_output import NewRequestData
-from paged_runtime.sampling_params import SamplingParams
+from paged_runtime.sampling_params import SamplingParams, sequence_seed
 
 
 @dataclass(slots=True)
@@ -97,8 +97,8 @@ class RequestStates:
         """The runner's state of a new request; raises, taking no row, if its parameters cannot be set up."""
         p = new.params
         generator = None
-        if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i
-            generator = torch.Generator(device=self.device).manual_seed(p.seed + new.index)
+        if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i (wrapped, never overflows)
+            generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
         counts = OutputCounts() if p.has_penalties else None
         state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts)
         if counts is not None:

@@ -93,3 +93,73 @@ def test_abort_frees_blocks_wherever_the_request_is():
     scheduler.finish_requests(["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks == 10 and not scheduler.has_unfinished_requests()
     scheduler.check_invariants()
+
+
+def run_until_idle(scheduler: Scheduler, max_steps: int = 200) -> list:
+    """Steps until nothing is left (a stall fails the test instead of hanging it); every step's output."""
+    outs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outs
+        outs.append(run_step(scheduler))
+    raise AssertionError(f"still unfinished after {max_steps} steps: {sorted(scheduler.requests)}")
+
+
+def test_nothing_is_scheduled_past_max_model_len():
+    # min_tokens beyond the context (as if the processor had let it through) must not push past the limit.
+    scheduler = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=100, max_model_len=12)
+    request = make_request("long", 5, 0, max_tokens=100, min_tokens=50)
+    scheduler.add_request(request)
+    outs = run_until_idle(scheduler)
+    assert all(s.start + s.num_scheduled <= 12 for out in outs for s in out.scheduled)
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_tokens == 12
+
+
+def test_a_request_larger_than_the_cache_fails_at_admission_and_the_rest_are_served():
+    kv = KVCacheManager(4, 4)  # 16 slots in all
+    for budget in (100, 8):  # whole prompt at once, or chunked (it would preempt itself once past 16)
+        scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget)
+        huge, small = make_request("huge", 20, 0), make_request("small", 3, 1, max_tokens=2)
+        scheduler.add_request(huge)
+        scheduler.add_request(small)
+        out = run_step(scheduler)
+        assert plan(out) == {"small": 3}
+        assert huge.status == RequestStatus.FINISHED_ERROR and "KV cache" in huge.error
+        assert scheduler.take_failed() == [huge] and scheduler.take_failed() == []
+        run_until_idle(scheduler)
+        assert small.status == RequestStatus.FINISHED_LENGTH and kv.num_free_blocks == 4
+
+
+def test_a_running_request_that_outgrows_the_cache_fails_and_frees_its_blocks():
+    kv = KVCacheManager(4, 4)
+    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100)
+    grower, after = make_request("grower", 10, 0, max_tokens=100), make_request("after", 3, 1, max_tokens=2)
+    scheduler.add_request(grower)
+    scheduler.add_request(after)
+    outs = run_until_idle(scheduler)
+    assert grower.status == RequestStatus.FINISHED_ERROR and grower.num_tokens == 17  # slot 16 never existed
+    assert scheduler.take_failed() == [grower]
+    assert after.status == RequestStatus.FINISHED_LENGTH and kv.num_free_blocks == 4
+    assert sum(out.num_preempted for out in outs) == 0  # it never preempted itself
+
+
+def test_a_group_above_a_lowered_max_num_seqs_runs_alone_instead_of_stalling():
+    scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=4, max_num_batched_tokens=1000)
+    group = make_request("group", 5, 0, max_tokens=3, n=3, temperature=0)
+    scheduler.add_request(group)
+    scheduler.add_request(make_request("after", 5, 1, max_tokens=2))
+    scheduler.max_num_seqs = 2  # lowered live (Ray Serve reconfigure) while the group waits
+    first = run_step(scheduler)
+    assert plan(first) == {"group": 4}  # admitted alone (nothing else runs), all but its last token
+    outs = run_until_idle(scheduler)
+    assert {"group\x1f1", "group\x1f2"} <= {s.request_id for out in outs for s in out.scheduled}
+    assert not any("after" in plan(out) and len(plan(out)) > 1 for out in outs)  # never beside the group
+
+
+def test_pending_forks_hold_their_seats_against_later_arrivals():
+    scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=3, max_num_batched_tokens=20)
+    scheduler.add_request(make_request("group", 40, 0, max_tokens=2, n=3, temperature=0))
+    scheduler.add_request(make_request("b", 3, 1, max_tokens=2))
+    assert plan(run_step(scheduler)) == {"group": 20}
+    assert plan(run_step(scheduler)) == {"group": 19}  # b would take a seat the group's forks need
+    run_until_idle(scheduler)  # check_invariants: never more than max_num_seqs running

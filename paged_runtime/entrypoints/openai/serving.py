@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import time
 import uuid
@@ -27,7 +28,7 @@ from paged_runtime.engine.client import EngineClient, RequestStream
 from paged_runtime.engine.processor import ProcessedPrompt, PromptType
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
-from paged_runtime.outputs import Logprob, RequestOutput
+from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_runtime.sampling_params import ParameterError, SamplingParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
@@ -193,6 +194,31 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
     async for i, output in merge(streams):
         if output.finished:
             final[i] = output
+    return final  # type: ignore[return-value]
+
+
+async def collect_deltas(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The whole finished output of every stream, in order, put together from its DELTA outputs (a
+    FINAL_ONLY output is its own whole). Reads the ``delta_*`` fields: an abort's output repeats none."""
+    texts: list[dict[int, list[str]]] = [{} for _ in streams]
+    wholes: list[dict[int, CompletionOutput]] = [{} for _ in streams]
+    final: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        for c in out.outputs:
+            whole = wholes[i].get(c.index)
+            if whole is None:
+                whole = wholes[i][c.index] = CompletionOutput(c.index, "", [], None,
+                                                              [] if c.logprobs is not None else None)
+            texts[i].setdefault(c.index, []).append(c.delta_text)
+            whole.token_ids += c.delta_token_ids
+            if whole.logprobs is not None:
+                whole.logprobs += c.delta_logprobs
+            whole.cumulative_logprob, whole.finish_reason, whole.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                                c.stop_reason)
+        if out.finished:
+            for index, whole in wholes[i].items():
+                whole.text = "".join(texts[i][index])
+            final[i] = dataclasses.replace(out, outputs=[wholes[i][index] for index in sorted(wholes[i])])
     return final  # type: ignore[return-value]
 
 

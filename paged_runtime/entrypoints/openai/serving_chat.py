@@ -7,14 +7,16 @@ carrying ``role``, then content chunks, the last of which carries
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from paged_runtime.engine.client import RequestStream
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
+from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect_deltas,
                                                      merge, new_id, now, sse, sse_error, top_by_rank, usage)
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from paged_runtime.sampling_params import RequestOutputKind
 
 # Arguments of apply_chat_template that the request must not override through chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -35,6 +37,9 @@ class ChatServing(OpenAIServing):
         fields = {"logprobs": "top_logprobs",
                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, max_tokens, logprobs, fields=fields)
+        # Each step's delta, never a copy of the sequence; whole responses put the deltas together
+        # (not FINAL_ONLY: the step loop takes its time-to-first-token and inter-token metrics from each output).
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         text, token_ids = await self.tokenizer_worker.run(self.render, req.messages, req.add_generation_prompt,
                                                           req.continue_final_message, req.chat_template_kwargs)
         processed = await self.process_off_loop({"prompt": text, "prompt_token_ids": token_ids}, params, "messages")
@@ -42,7 +47,7 @@ class ChatServing(OpenAIServing):
         streams = self.submit(request_id, [processed], params, req)
         if req.stream:
             return StreamingResult(self._stream(req, request_id, model, streams[0]), streams)
-        return self._response(req, request_id, model, (await collect(streams))[0])
+        return self._response(req, request_id, model, (await collect_deltas(streams))[0])
 
     # ---- the prompt ------------------------------------------------------------------------
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
@@ -102,16 +107,17 @@ class ChatServing(OpenAIServing):
             return sse({**head, "choices": choices})
 
         finished: set[int] = set()
+        num_completion = 0  # outputs are deltas: the usage chunk's count is their sum
         try:
             for index in range(req.n):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
             async for _, out in merge([stream]):
+                num_completion += sum(len(c.delta_token_ids) for c in out.outputs)
                 choices = [choice for c in out.outputs if (choice := self._delta_choice(req, finished, c)) is not None]
                 if choices:
                     yield chunk(choices)
                 if out.finished and include_usage:
-                    num_completion = sum(len(c.token_ids) for c in out.outputs)
                     yield sse({**head, "choices": [], "usage": usage(len(out.prompt_token_ids), num_completion,
                                                                      out.num_cached_tokens)})
         except Exception as e:  # the engine failed mid-stream: tell the client in-band

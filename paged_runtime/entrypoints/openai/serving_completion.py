@@ -6,15 +6,17 @@ position's being null) precedes each choice's text.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from paged_runtime.engine.client import RequestStream
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import CompletionRequest
-from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect,
+from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect_deltas,
                                                      merge, new_id, now, sse, sse_error, usage)
 from paged_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from paged_runtime.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -57,6 +59,11 @@ class CompletionServing(OpenAIServing):
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
                                       prompt_logprobs=echo_logprobs)
+        # Each step's delta, never a copy of the sequence; whole responses put the deltas together (not
+        # FINAL_ONLY: the step loop takes its time-to-first-token and inter-token metrics from each output).
+        # best_of > n cannot stream (refused above) and has no deltas: its whole response comes at the end.
+        kind = RequestOutputKind.DELTA if params.best_of == params.n else RequestOutputKind.FINAL_ONLY
+        params = dataclasses.replace(params, output_kind=kind)
         prompts = _prompts(req.prompt)
         if len(prompts) > self.limits.max_prompts_per_request:
             raise bad_request(f"prompt holds {len(prompts)} prompts; this server takes at most "
@@ -66,7 +73,7 @@ class CompletionServing(OpenAIServing):
         streams = self.submit(request_id, processed, params, req)
         if req.stream:
             return StreamingResult(self._stream(req, request_id, model, streams), streams)
-        return self._response(req, request_id, model, await collect(streams))
+        return self._response(req, request_id, model, await collect_deltas(streams))
 
     # ---- whole response ------------------------------------------------------------------
     def _response(self, req: CompletionRequest, request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
@@ -79,7 +86,7 @@ class CompletionServing(OpenAIServing):
                                 "logprobs": logprobs.take() if logprobs else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-                "choices": choices, "usage": _usage(outputs)}
+                "choices": choices, "usage": _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs))}
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)
@@ -110,6 +117,7 @@ class CompletionServing(OpenAIServing):
         state = _StreamState()
         try:
             async for i, out in merge(streams):
+                state.num_completion_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
                 choices = [choice for c in out.outputs
                            if (choice := self._delta_choice(req, state, i, out, c)) is not None]
                 if out.finished:
@@ -119,7 +127,7 @@ class CompletionServing(OpenAIServing):
                                "choices": choices})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": _usage(finished_outputs)})
+                           "choices": [], "usage": _usage(finished_outputs, state.num_completion_tokens)})
         except Exception as e:  # the engine failed mid-stream: tell the client in-band
             yield sse_error(e)
         finally:
@@ -153,6 +161,7 @@ class _StreamState:
     started: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # keeps each choice's running text offset
+    num_completion_tokens: int = 0  # outputs are deltas: the usage chunk's count is their sum
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -165,7 +174,6 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
-    return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(c.token_ids) for o in outputs for c in o.outputs),
+def _usage(outputs: list[RequestOutput], num_completion_tokens: int) -> dict:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs), num_completion_tokens,
                  sum(o.num_cached_tokens for o in outputs))
