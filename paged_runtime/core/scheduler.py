@@ -112,6 +112,11 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_seats(self) -> int:
+        """Sequences running plus the siblings their pending forks will add (what ``max_num_seqs`` bounds)."""
+        return len(self.running) + sum(r.num_pending_forks for r in self.running)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -167,7 +172,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         position = 0  # paused requests (beam search) are skipped, not waited for
-        seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
+        seats = self.num_seats
         while position < len(self.waiting) and budget > 0:
             request = self.waiting[position]
             if request.paused:
@@ -184,7 +189,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, computed):
                 if self._preempt_for_priority(request, scheduled):
                     budget = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
-                    seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
+                    seats = self.num_seats
                     continue  # rare: recount the budget the victim may have given back
                 if not self.running:  # every block is free and it still does not fit: it never will
                     self._fail(self.waiting.pop(position), "the request does not fit in the whole KV cache")
@@ -351,6 +356,6 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants(self.running + list(self.waiting))
         # Above the limit only as one group admitted alone (the limit was lowered below its size).
-        assert len(self.running) <= self.max_num_seqs or len({r.group_id for r in self.running}) == 1
+        assert self.num_seats <= self.max_num_seqs or len({r.group_id for r in self.running}) == 1
         if not self.requests:
             assert self.kv_cache.num_free_blocks == self.kv_cache.pool.num_blocks, "idle engine holds blocks"

@@ -502,10 +502,18 @@ class AsyncEngine:
             if tracked is None:
                 continue  # aborted after this step began
             output.request_id = tracked.stream.request_id  # the caller's id, not the engine's key
-            self._account(tracked, output, stats)
-            item = RequestFailedError(output.error) if output.error is not None else output
-            if not tracked.stream.put(item) and not output.finished:
-                self._abort_key(key)  # the consumer's loop is gone
+            try:
+                self._account(tracked, output, stats)
+                item = RequestFailedError(output.error) if output.error is not None else output
+                delivered = tracked.stream.put(item)
+            except Exception:  # a bug in delivery fails this request alone; its consumer must not wait forever
+                logger.exception("delivering an output of request %r failed", tracked.stream.request_id)
+                with self._cond:
+                    self._untrack(key)
+                tracked.stream.put(RequestFailedError("the engine failed this request while delivering it"))
+                delivered = False
+            if not delivered and not output.finished:
+                self._abort_key(key)  # the consumer's loop is gone, or its request failed
 
     def _account(self, tracked: _Tracked, output: RequestOutput, stats: IterationStats) -> None:
         num_new = sum(len(c.delta_token_ids) for c in output.outputs)

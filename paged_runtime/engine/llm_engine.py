@@ -162,8 +162,9 @@ class LLMEngine:
     def reconfigure(self, *, max_num_seqs: int) -> bool:
         """Move the batch limit to ``max_num_seqs``; True once fully applied, False to call again after a step.
 
-        New requests are checked against it at once. The scheduler's limit never drops below the requests
-        running now, so lowering it preempts nobody: it follows them down as they finish. A queued group
+        New requests are checked against it at once. The scheduler's limit never drops below the sequences
+        running now plus the siblings their pending forks will add, so lowering it preempts nobody: it
+        follows them down as they finish. A queued group
         larger than the new limit is not stranded: the scheduler admits it when nothing else runs, and it
         runs alone.
         """
@@ -171,7 +172,7 @@ class LLMEngine:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
         self._processor.max_num_seqs = max_num_seqs
         scheduler = self.core.scheduler
-        scheduler.max_num_seqs = max(max_num_seqs, scheduler.num_running)
+        scheduler.max_num_seqs = max(max_num_seqs, scheduler.num_seats)
         return scheduler.max_num_seqs == max_num_seqs
 
     def reset_prefix_cache(self) -> None:

@@ -370,6 +370,36 @@ def test_a_request_the_engine_fails_ends_only_its_own_stream(engine, tiny_llm, m
     assert_idle(engine)
 
 
+def test_a_bug_while_delivering_an_output_fails_that_stream_and_nothing_else(engine, tiny_llm, monkeypatch):
+    """Delivery raises for one request (a bug in accounting or merging): its consumer gets an error instead
+    of waiting forever, its blocks come back, and the loop goes on serving."""
+    from paged_runtime.engine.client import RequestFailedError
+
+    real_account = engine._account
+
+    def account(tracked, output, stats):
+        if tracked.stream.request_id == "bad":
+            raise RuntimeError("accounting bug")
+        return real_account(tracked, output, stats)
+
+    monkeypatch.setattr(engine, "_account", account)
+
+    async def run():
+        failing = engine.add_request("bad", PROMPT, greedy(40))
+        with pytest.raises(RequestFailedError, match="while delivering"):
+            async for _ in failing:
+                pass
+        async for out in engine.add_request("ok", PROMPT, greedy(12)):
+            pass
+        await wait_idle(engine)
+        return out.outputs[0].text
+
+    text = asyncio.run(asyncio.wait_for(run(), 60))
+    assert text == tiny_llm.generate([PROMPT], greedy(12), use_tqdm=False)[0].outputs[0].text
+    assert engine.is_healthy
+    assert_idle(engine)
+
+
 class Fatal(BaseException):
     """Not an Exception: what a bare ``except Exception`` lets through (like KeyboardInterrupt)."""
 

@@ -179,6 +179,25 @@ def test_lowering_max_num_seqs_below_a_queued_group_does_not_strand_it(llm):
     assert_idle(llm)
 
 
+def test_lowering_max_num_seqs_counts_the_forks_a_prefilling_group_will_add(tiny_llama_dir):
+    """A group of 4 still in chunked prefill holds 4 seats: lowering the limit to 2 beside another request
+    must not let 5 sequences of 2 groups run under a limit of 2 (the invariant check used to fail)."""
+    chunked = make_llm(tiny_llama_dir, max_model_len=64, kv_cache_memory=2**20, max_num_seqs=8,
+                       max_num_batched_tokens=8)
+    engine, scheduler = chunked.engine, chunked.engine.core.scheduler
+    engine.add_request("other", "a b c", greedy(6))
+    engine.add_request("group", list(range(10, 40)), greedy(4, n=4))
+    engine.step()
+    assert scheduler.num_running == 2 and scheduler.num_seats == 5  # the group is prefilling, 3 forks pending
+    assert not engine.reconfigure(max_num_seqs=2)  # not yet: the limit follows the seats down
+    assert scheduler.max_num_seqs == 5
+    outputs = run(engine)
+    assert [len(c.token_ids) for c in outputs["group"][-1].outputs] == [4, 4, 4, 4]
+    assert outputs["other"][-1].finished
+    assert engine.reconfigure(max_num_seqs=2) and scheduler.max_num_seqs == 2
+    assert_idle(chunked)
+
+
 # ---- a request that outgrows the cache ----------------------------------------------------------
 def test_a_request_that_outgrows_the_cache_fails_alone_with_an_error(tiny_llama_dir):
     small = make_llm(tiny_llama_dir, max_model_len=64, max_num_seqs=1, block_size=16,
