@@ -196,8 +196,8 @@ class LLMEngine:
             updates = self.core.step()
         except StepFailure as failure:
             logger.error("a step failed; failing its requests %s", failure.group_ids, exc_info=failure.__cause__)
-            return (self._outputs(failure.updates)
-                    + [self._error_output(group_id, failure.__cause__) for group_id in failure.group_ids])
+            errors = [self._error_output(group_id, failure.__cause__) for group_id in failure.group_ids]
+            return self._outputs(failure.updates) + [output for output in errors if output is not None]
         except Exception:
             logger.critical("a step failed and the engine's state cannot be trusted: every request fails")
             raise  # with its traceback, logged where it is handled
@@ -242,15 +242,16 @@ class LLMEngine:
         except Exception:
             logger.critical("the engine's state cannot be trusted after a request failed: every request fails")
             raise
-        return [self._error_output(group_id, error) for group_id, error in failed.items()]
+        errors = [self._error_output(group_id, error) for group_id, error in failed.items()]
+        return [output for output in errors if output is not None]
 
-    def _error_output(self, group_id: str, error: BaseException | None) -> RequestOutput:
+    def _error_output(self, group_id: str, error: BaseException | None) -> RequestOutput | None:
         """The finished output of a group the engine failed: its n sequences empty, finish_reason "error",
         and a message safe to show its client (the exception's type, never its text)."""
         state = self.states.pop(group_id, None)
         message = f"the engine failed this request: {type(error).__name__}"
-        if state is None:  # not one of ours (beam search drives the core itself): nobody to show more
-            return RequestOutput(group_id, None, [], [], True, error=message)
+        if state is None:  # not one of ours (beam search drives the core itself) or already reported
+            return None
         self._group_ids.pop(state.request_id, None)
         completions = [CompletionOutput(i, "", [], finish_reason=RequestStatus.FINISHED_ERROR.value)
                        for i in range(state.params.n)]

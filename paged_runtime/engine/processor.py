@@ -21,6 +21,24 @@ from paged_runtime.sampling_params import ParameterError, SamplingParams
 PromptType = str | dict | list[int]
 
 
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The longest text that could still be a prompt: ``max_model_len`` tokens of the longest token text.
+
+    A token's text (the raw vocabulary string: one character per byte or piece) is never shorter than what
+    it decodes to, so a longer text needs at least ``max_model_len`` tokens. Checked before tokenizing: a
+    multi-megabyte prompt is refused at once instead of holding a tokenizer thread for seconds.
+    """
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max_model_len * max(len(t) for t in tokens if t is not None)
+
+
+def check_prompt_chars(text: str, limit: int) -> None:
+    """ParameterError (param "prompt") for a text too long to be a prompt of this engine, untokenized."""
+    if len(text) > limit:
+        raise ParameterError(f"prompt is {len(text)} characters long: more than any prompt that fits "
+                             f"max_model_len ({limit} characters at most)", "prompt")
+
+
 @dataclass(slots=True)
 class ProcessedPrompt:
     prompt: str | None
@@ -38,6 +56,7 @@ class Processor:
         self.max_num_seqs = max_num_seqs
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_length = max_stop_string_length
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """The prompt's token ids and its output budget (max_tokens clamped to the room left in the context)."""
@@ -109,17 +128,21 @@ class Processor:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._as_ids(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"])
             raise ParameterError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, list):
             return None, self._as_ids(prompt)
         raise ParameterError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}",
                              "prompt")
+
+    def _encode(self, text: str) -> list[int]:
+        check_prompt_chars(text, self.max_prompt_chars)
+        return self.tokenizer.encode(text)
 
     @staticmethod
     def _as_ids(ids) -> list[int]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -13,6 +14,8 @@ from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import PromptType
 from paged_runtime.outputs import RequestOutput
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -84,6 +87,9 @@ class LLM:
                         if out.finished:
                             finished[out.request_id] = out
                             bar.update(1)
+                            if out.error is not None:  # the others go on; this output says finish_reason "error"
+                                logger.warning("request %s (prompt %d) failed: %s", out.request_id,
+                                               request_ids.index(out.request_id), out.error)
             except BaseException:
                 self.engine.abort_request([r for r in request_ids if r not in finished])
                 raise

@@ -285,3 +285,27 @@ def test_cli_flags_for_the_edge():
                                       "--metrics-require-api-key"])
     assert (args.max_request_body_bytes, args.max_prompts_per_request, args.allowed_origins,
             args.metrics_require_api_key) == (2**20, 8, [ORIGIN, "http://localhost:3000"], True)
+
+
+# ---- a text too long to be a prompt is refused before it is tokenized ------------------------------
+@pytest.mark.parametrize("path, field, param", [("/v1/completions", "prompt", "prompt"),
+                                                ("/v1/chat/completions", "messages", "messages"),
+                                                ("/tokenize", "prompt", "prompt")])
+def test_a_text_longer_than_any_prompt_that_fits_is_a_400_without_tokenizing(app, engine, monkeypatch, path,
+                                                                             field, param):
+    """More characters than max_model_len tokens of the longest token text can hold: refused at once, so a
+    huge prompt (under the body limit) cannot hold the route's tokenizer thread, and everyone behind it."""
+    from paged_runtime.engine.processor import max_prompt_chars
+    limit = max_prompt_chars(engine.tokenizer, engine.max_model_len)
+    text = "a" * (limit + 1)
+    encoded = []
+    tokenizer_class = type(engine.tokenizer)
+    real_encode = tokenizer_class.encode
+    monkeypatch.setattr(tokenizer_class, "encode",
+                        lambda self, t, *a, **k: encoded.append(len(t)) or real_encode(self, t, *a, **k))
+    body = {"model": NAME, "max_tokens": 1}
+    body.update({"messages": [{"role": "user", "content": text}]} if field == "messages" else {"prompt": text})
+    error = assert_error(post_json(app, path, body), 400, param, "context_length_exceeded")
+    assert f"{limit} characters at most" in error["message"]
+    assert all(n <= limit for n in encoded)  # the long text itself was never tokenized
+

@@ -216,3 +216,12 @@ def test_a_request_that_outgrows_the_cache_fails_alone_with_an_error(tiny_llama_
     assert outputs["after"][-1].outputs[0].finish_reason == "length" and outputs["after"][-1].error is None
     assert grower.status == RequestStatus.FINISHED_ERROR
     assert_idle(small)
+
+
+def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(llm, monkeypatch):
+    processor = llm.engine._processor
+    limit = processor.max_prompt_chars
+    monkeypatch.setattr(processor, "tokenizer", None)  # tokenizing would raise AttributeError
+    with pytest.raises(ParameterError, match=f"{limit} characters at most") as refused:
+        llm.engine.process("a" * (limit + 1), greedy())
+    assert refused.value.param == "prompt"

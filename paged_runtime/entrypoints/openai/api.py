@@ -265,10 +265,10 @@ def _tokenize(serving: ChatServing, req: TokenizeRequest) -> dict:
     if req.messages is not None:
         text, _ = serving.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs)
-        token_ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        token_ids = serving.tokenizer_worker.encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        token_ids = tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        token_ids = serving.tokenizer_worker.encode(req.prompt, add_special_tokens=add_special)
     return {"count": len(token_ids), "max_model_len": serving.engine.max_model_len, "tokens": token_ids,
             "token_strs": tokenizer.convert_ids_to_tokens(token_ids) if req.return_token_strs else None}
 

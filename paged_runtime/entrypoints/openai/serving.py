@@ -22,10 +22,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 from paged_runtime.engine.client import EngineClient, RequestStream
-from paged_runtime.engine.processor import ProcessedPrompt, PromptType
+from paged_runtime.engine.processor import ProcessedPrompt, PromptType, check_prompt_chars, max_prompt_chars
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
 from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
@@ -60,13 +61,27 @@ class TokenizerWorker:
     off the event loop (the Rust tokenizer releases the GIL while it works).
     """
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: object, max_model_len: int) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)
+        self.max_model_len = max_model_len
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the worker thread; ``fn`` may use ``self.tokenizer``."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @cached_property
+    def max_chars(self) -> int:
+        return max_prompt_chars(self.tokenizer, self.max_model_len)
+
+    def encode(self, text: str, param: str = "prompt", **kwargs) -> list[int]:
+        """``text``'s token ids (on the worker thread); a text longer than any prompt that fits the context is a
+        400 at once, untokenized, so one huge prompt cannot hold this thread (and everyone's requests) for long."""
+        try:
+            check_prompt_chars(text, self.max_chars)
+        except ParameterError as e:
+            raise bad_request(str(e), param=param, code="context_length_exceeded") from e
+        return self.tokenizer.encode(text, **kwargs)
 
 
 class OpenAIServing:
@@ -79,7 +94,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.limits = limits or RequestLimits()
-        self.tokenizer_worker = TokenizerWorker(engine.tokenizer)
+        self.tokenizer_worker = TokenizerWorker(engine.tokenizer, engine.max_model_len)
 
     # ---- request checks -----------------------------------------------------------------
     def resolve_model(self, requested: str | None) -> str:
@@ -126,15 +141,15 @@ class OpenAIServing:
 
     async def process_off_loop(self, prompt: PromptType, params: SamplingParams, prompt_param: str) -> ProcessedPrompt:
         """``process`` on the tokenizer worker, with the worker's tokenizer: what the routes use."""
-        return await self.tokenizer_worker.run(self.process, prompt, params, prompt_param,
-                                               self.tokenizer_worker.tokenizer)
+        return await self.tokenizer_worker.run(self.process, prompt, params, prompt_param, True)
 
     def process(self, prompt: PromptType, params: SamplingParams, prompt_param: str,
-                tokenizer: object | None = None) -> ProcessedPrompt:
+                on_worker: bool = False) -> ProcessedPrompt:
         """Tokenize and validate one prompt on the calling thread; prompt + max_tokens beyond the context is
-        a 400 naming both. A text prompt is tokenized by ``tokenizer`` if given (as the engine's would)."""
-        if isinstance(prompt, str) and tokenizer is not None:
-            prompt = {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
+        a 400 naming both. ``on_worker``: called on the tokenizer worker, which tokenizes a text prompt (the
+        engine's ``process`` then only checks token ids)."""
+        if isinstance(prompt, str) and on_worker:
+            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer_worker.encode(prompt, prompt_param)}
         try:
             processed = self.engine.process(prompt, params)
         except ParameterError as e:

@@ -74,7 +74,7 @@ class ChatServing(OpenAIServing):
                                                  continue_final_message=continue_final_message, **kwargs)
         except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's business
             raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from e
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer_worker.encode(text, "messages", add_special_tokens=False)
 
     # ---- whole response ----------------------------------------------------------------------
     def _response(self, req: ChatCompletionRequest, request_id: str, model: str, out: RequestOutput) -> dict:
