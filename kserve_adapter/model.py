@@ -17,7 +17,12 @@ Inference
     ``predict`` gets a dict for v1 and an ``InferRequest`` for v2
     (``protocol.py`` maps both); a client's mistake is ``InvalidInput``
     (400), a full queue ``EngineOverloadedError`` and a dead engine
-    ``EngineDeadError`` (both 503, see ``server.py``). KServe's v1/v2
+    ``EngineDeadError`` (both 503, see ``server.py``). A request's prompts
+    are checked and tokenized on the serving object's tokenizer worker (its
+    own tokenizer copy, its one thread), never on the event loop: a long
+    prompt does not stall the server (health routes included) while it is
+    tokenized. ``limits`` (the ``--max-prompts-per-request`` and
+    ``--max-request-body-bytes`` flags) bound each request. KServe's v1/v2
     endpoints do not watch for a client's disconnect, so such a request runs
     to its end (bounded by ``max_tokens``); the OpenAI routes abort theirs.
 """
@@ -35,7 +40,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_adapter import protocol
 from paged_runtime.engine.client import EngineClient, RequestStream
-from paged_runtime.entrypoints.openai.serving import OpenAIServing, collect
+from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, collect
 from paged_runtime.outputs import RequestOutput
 
 logger = logging.getLogger("kserve_adapter")
@@ -46,12 +51,15 @@ LOAD_GATE_ENV = "KSERVE_ADAPTER_LOAD_GATE"
 
 
 class PagedRuntimeModel(Model):
-    def __init__(self, name: str, served_model_names: Sequence[str], engine_factory: Callable[[], EngineClient]):
-        """``engine_factory`` builds the engine (blocking; it runs in a worker thread)."""
+    def __init__(self, name: str, served_model_names: Sequence[str], engine_factory: Callable[[], EngineClient],
+                 limits: RequestLimits | None = None):
+        """``engine_factory`` builds the engine (blocking; it runs in a worker thread); ``limits`` bound each
+        request (default: the runtime's defaults)."""
         super().__init__(name)
         self.engine = True  # tells ModelServer to run start_engine() on its loop
         self.served_model_names = list(served_model_names)
         self.engine_factory = engine_factory
+        self.limits = limits or RequestLimits()
         self.async_engine: EngineClient | None = None
         self.serving: OpenAIServing | None = None  # the OpenAI routes' request checks, over this engine
         self._stopping = False
@@ -71,7 +79,7 @@ class PagedRuntimeModel(Model):
         if self._stopping:  # stopped while building: nobody will serve with it
             engine.shutdown()
             return
-        self.serving = OpenAIServing(engine, self.served_model_names)
+        self.serving = OpenAIServing(engine, self.served_model_names, self.limits)
         self.async_engine = engine
         logger.info("model %s is ready (max_model_len %d)", self.name, engine.max_model_len)
 
@@ -111,13 +119,21 @@ class PagedRuntimeModel(Model):
         if engine is None or serving is None:
             raise ModelNotReady(self.name)
         request_id = f"kserve-{uuid.uuid4().hex}"
+        outputs = await self._generate(engine, request_id, await self._prepare(serving, payload))
         if isinstance(payload, InferRequest):
-            outputs = await self._generate(engine, request_id, protocol.v2_prepare(serving, payload))
             return protocol.v2_response(payload, self.name, outputs, request_id)
-        return protocol.v1_response(await self._generate(engine, request_id, protocol.v1_prepare(serving, payload)))
+        return protocol.v1_response(outputs)
 
     async def explain(self, payload: dict, headers: dict[str, str] | None = None) -> dict:
         raise InvalidInput(f"model {self.name} has no explainer; use :predict, /infer or the OpenAI routes")
+
+    @staticmethod
+    async def _prepare(serving: OpenAIServing, payload: dict | InferRequest) -> list[protocol.Prepared]:
+        """The payload's prompts, checked and tokenized on ``serving``'s tokenizer worker with its tokenizer
+        (one tokenizer, one thread), so the event loop goes on serving meanwhile."""
+        worker = serving.tokenizer_worker
+        prepare = protocol.v2_prepare if isinstance(payload, InferRequest) else protocol.v1_prepare
+        return await worker.run(prepare, serving, payload, worker.tokenizer)
 
     @staticmethod
     async def _generate(engine: EngineClient, request_id: str, batch: list[protocol.Prepared]) -> list[RequestOutput]:

@@ -58,6 +58,11 @@ class OpenAIRoutes:
         return self._app
 
 
+def is_openai_path(path: str) -> bool:
+    """Whether ``mount_openai_routes`` routes ``path`` to the OpenAI app."""
+    return path in ROOT_PATHS or path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+
+
 def mount_openai_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     """Adds the paths above to ``app``; call it before the server starts (KServe's routes come after)."""
     app.mount(OPENAI_PREFIX, routes)

@@ -23,6 +23,13 @@ v2  ``POST /v2/models/NAME/infer``: input ``text_input`` (BYTES, shape
 Every check runs before anything is submitted, with the OpenAI routes' own
 validation, so a request is refused whole; a refusal is KServe's
 ``InvalidInput`` (400) whose message names the instance or tensor and the field.
+A request holds at most ``max_prompts_per_request`` prompts (instances or
+``text_input`` elements), as a completions ``prompt`` list on the OpenAI routes.
+
+``v1_prepare`` / ``v2_prepare`` tokenize on the calling thread with the
+``tokenizer`` they are given: call them on the serving object's tokenizer
+worker with its tokenizer (``PagedRuntimeModel.predict`` does), never on the
+event loop.
 """
 from __future__ import annotations
 
@@ -92,13 +99,21 @@ def sampling_params(serving: OpenAIServing, req: PromptRequest) -> SamplingParam
     return serving.sampling_params(req, req.max_tokens, None)
 
 
-def prepare(serving: OpenAIServing, req: PromptRequest, params: SamplingParams) -> Prepared:
-    return Prepared(serving.process(req.prompt, params, "prompt"), params, req.priority, req.cache_salt)
+def prepare(serving: OpenAIServing, req: PromptRequest, params: SamplingParams, tokenizer: object | None) -> Prepared:
+    return Prepared(serving.process(req.prompt, params, "prompt", tokenizer), params, req.priority, req.cache_salt)
+
+
+def check_prompt_count(serving: OpenAIServing, where: str, count: int) -> None:
+    """InvalidInput if a request holds more prompts than the server's ``max_prompts_per_request``."""
+    limit = serving.limits.max_prompts_per_request
+    if count > limit:
+        raise InvalidInput(f"{where} holds {count} prompts; this server takes at most {limit} per request")
 
 
 # ---- v1 ----------------------------------------------------------------------------------------
-def v1_prepare(serving: OpenAIServing, body: object) -> list[Prepared]:
-    """Every instance of a v1 body, checked and tokenized; InvalidInput for the first one that is wrong."""
+def v1_prepare(serving: OpenAIServing, body: object, tokenizer: object | None = None) -> list[Prepared]:
+    """Every instance of a v1 body, checked and tokenized (text by ``tokenizer``, see the module docstring);
+    InvalidInput for the first one that is wrong."""
     if isinstance(body, (bytes, str)):  # KServe passes the raw body on unless Content-Type says JSON (curl -d)
         try:  # the OpenAI routes' parser: lone surrogates and deep nesting are refused too
             body = parse_json(body)  # type: ignore[arg-type]
@@ -109,6 +124,7 @@ def v1_prepare(serving: OpenAIServing, body: object) -> list[Prepared]:
     instances = body["instances"]
     if not isinstance(instances, list) or not instances:
         raise InvalidInput("instances must be a non-empty list")
+    check_prompt_count(serving, "instances", len(instances))
     batch = []
     for i, instance in enumerate(instances):
         with client_errors(f"instances[{i}]"):
@@ -117,7 +133,7 @@ def v1_prepare(serving: OpenAIServing, body: object) -> list[Prepared]:
             if not isinstance(instance, dict):
                 raise InvalidInput(f"instances[{i}] must be a prompt string or an object with a 'prompt'")
             req = PromptRequest.model_validate(instance)
-            batch.append(prepare(serving, req, sampling_params(serving, req)))
+            batch.append(prepare(serving, req, sampling_params(serving, req), tokenizer))
     return batch
 
 
@@ -128,9 +144,10 @@ def v1_response(outputs: list[RequestOutput]) -> dict:
 
 
 # ---- v2 ----------------------------------------------------------------------------------------
-def v2_prepare(serving: OpenAIServing, request: InferRequest) -> list[Prepared]:
-    """The prompts of ``text_input`` with the request's parameters, checked and tokenized."""
+def v2_prepare(serving: OpenAIServing, request: InferRequest, tokenizer: object | None = None) -> list[Prepared]:
+    """The prompts of ``text_input`` with the request's parameters, checked and tokenized (by ``tokenizer``)."""
     texts = v2_texts(request)
+    check_prompt_count(serving, TEXT_INPUT, len(texts))
     _check_requested_outputs(request)
     fields = v2_fields(request)
     if "prompt" in fields:
@@ -141,7 +158,7 @@ def v2_prepare(serving: OpenAIServing, request: InferRequest) -> list[Prepared]:
     batch = []
     for i, text in enumerate(texts):
         with client_errors(f"{TEXT_INPUT}[{i}]"):
-            batch.append(prepare(serving, shared.model_copy(update={"prompt": text}), params))
+            batch.append(prepare(serving, shared.model_copy(update={"prompt": text}), params, tokenizer))
     return batch
 
 

@@ -8,6 +8,12 @@ requests in flight get ``--shutdown-timeout`` seconds, then the engine fails
 the rest (OpenAI streams end with an error event and ``[DONE]``, other
 requests get a 503 body); then uvicorn stops, KServe unloads the model and
 the process exits 0. A model that fails to build exits 1.
+
+Request bounds: ``--max-request-body-bytes`` holds for every route
+(``BodyLimitMiddleware``: KServe reads its v1/v2 bodies itself, so the limit
+sits in front of its app; the OpenAI routes check it themselves, with their
+own error body), and ``--max-prompts-per-request`` for the v1 ``instances``
+and the v2 ``text_input`` as for a completions ``prompt`` list.
 """
 from __future__ import annotations
 
@@ -15,19 +21,27 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kserve import ModelServer
 from kserve.logging import KSERVE_LOGGER_DATE_FORMAT, KSERVE_LOGGER_FORMAT
 from kserve.model_server import app as kserve_app
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kserve_adapter.args import parse_args
 from kserve_adapter.model import PagedRuntimeModel
-from kserve_adapter.openai_routes import OpenAIRoutes, mount_openai_routes
+from kserve_adapter.openai_routes import OpenAIRoutes, is_openai_path, mount_openai_routes
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
 from paged_runtime.entrypoints.cli import API_KEY_ENV, engine_config, make_engine
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
+from paged_runtime.entrypoints.openai.errors import payload_too_large
+from paged_runtime.entrypoints.openai.serving import RequestLimits
+
+if TYPE_CHECKING:
+    from paged_runtime.config import EngineConfig
 
 logger = logging.getLogger("kserve_adapter")
 
@@ -68,6 +82,68 @@ class AdapterModelServer(ModelServer):
         for model in list(self.registered_models.get_models().values()):
             if model.engine:
                 model.stop_engine()
+
+
+class _BodyTooLarge(Exception):
+    """Raised into the app from ``receive`` once the body passed the limit."""
+
+
+class BodyLimitMiddleware:
+    """ASGI: a request body over ``max_body_bytes`` is a 413 ``{"error": message}`` (KServe's error shape, the
+    runtime's ``payload_too_large`` message), never read past the limit.
+
+    A Content-Length over the limit is answered before the app runs; a body without one (chunked) is
+    counted as the app reads it: the 413 goes out when the limit is passed, the app's read raises, and
+    whatever the app answers after that is dropped. A body within the limit, and every response (streams
+    included), passes untouched. The OpenAI routes are left to their own check of the same limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or is_openai_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.strip().isdigit() and int(declared) > self.max_body_bytes:
+            await self.too_large()(scope, receive, send)
+            return
+        received, started, answered = 0, False, False
+
+        async def counting_receive() -> Message:
+            nonlocal received, answered
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    if not started:  # else the app's response is under way: only cutting it short is left
+                        await self.too_large()(scope, receive, send)
+                        answered = True
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if answered:
+                return  # the app's answer to a cut-off body: the client has its 413
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not answered:
+                raise
+
+    def too_large(self) -> JSONResponse:
+        return JSONResponse({"error": payload_too_large(self.max_body_bytes).message}, status_code=413)
+
+
+def install_body_limit(app: FastAPI, max_body_bytes: int) -> None:
+    """Every request to ``app`` reads at most ``max_body_bytes`` of body (``BodyLimitMiddleware``)."""
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
 
 
 def add_engine_error_handlers(app: FastAPI) -> None:
@@ -114,6 +190,16 @@ def edge_options(args) -> dict:
             "metrics_require_api_key": args.metrics_require_api_key}
 
 
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(args.max_request_body_bytes, args.max_prompts_per_request)
+
+
+def build_model(args: argparse.Namespace, config: EngineConfig) -> PagedRuntimeModel:
+    """The model, with the configured request limits; its engine is built from ``config`` when it starts."""
+    return PagedRuntimeModel(args.model_name, args.served_model_name, lambda: make_engine(config, args),
+                             request_limits(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -123,12 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = build_server(args)  # configures KServe's logging first
     configure_logging(args)
-    model = PagedRuntimeModel(args.model_name, args.served_model_name, lambda: make_engine(config, args))
+    model = build_model(args, config)
     model.load()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key, **edge_options(args)))
     add_engine_error_handlers(kserve_app)
-    server.install_drain(kserve_app)
+    install_body_limit(kserve_app, args.max_request_body_bytes)
+    server.install_drain(kserve_app)  # outermost: a draining server refuses before reading any body
     try:
         server.start([model])
     except Exception:

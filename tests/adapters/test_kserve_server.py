@@ -33,6 +33,8 @@ JSON = {"Content-Type": "application/json"}
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
 MAX_MODEL_LEN = 1024
 START_TIMEOUT = 180.0  # a loaded 2-core CI machine imports torch + kserve slowly
+MAX_BODY_BYTES, MAX_PROMPTS = 65536, 8
+TOO_LARGE = f"The request body is larger than this server's limit of {MAX_BODY_BYTES} bytes."
 
 
 @dataclass
@@ -47,7 +49,7 @@ class KServeProcess:
         return httpx.get(self.url + path, timeout=30, **kwargs)
 
     def post(self, path: str, body, headers: dict | None = None, **kwargs) -> httpx.Response:
-        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        content = json.dumps(body) if isinstance(body, (dict, list)) else body  # bytes, str or chunks
         return httpx.post(self.url + path, content=content, headers={**JSON, **(headers or {})}, timeout=60, **kwargs)
 
     def wait_until(self, path: str, status: int, timeout: float = START_TIMEOUT) -> httpx.Response:
@@ -97,7 +99,8 @@ def kserve_server(tiny_llama_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "kserve_adapter", "--model_name", NAME, "--model", str(tiny_llama_dir),
            "--host", "127.0.0.1", "--http_port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory", "16MiB", "--max-num-seqs", "16", "--api-key", API_KEY, "--log-stats-interval", "1",
-           "--shutdown-timeout", "1"]
+           "--shutdown-timeout", "1", "--max-request-body-bytes", str(MAX_BODY_BYTES),
+           "--max-prompts-per-request", str(MAX_PROMPTS)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "KSERVE_ADAPTER_LOAD_GATE": str(gate)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
@@ -356,6 +359,9 @@ KSERVE_BAD = [
      "tokens (1 in the prompt, 5000 in the completion). Please reduce the length of the prompt or completion."),
     ("v1-token-out-of-vocab", f"/v1/models/{NAME}:predict", {"instances": [{"prompt": [1, 999999]}]}, 400,
      "instances[0]: prompt token id 999999 is out of range for vocabulary size 49152"),
+    ("v1-too-many-instances", f"/v1/models/{NAME}:predict", {"instances": ["a"] * (MAX_PROMPTS + 1)}, 400,
+     f"instances holds {MAX_PROMPTS + 1} prompts; this server takes at most {MAX_PROMPTS} per request"),
+    ("v1-body-too-large", f"/v1/models/{NAME}:predict", {"instances": ["x" * MAX_BODY_BYTES]}, 413, TOO_LARGE),
     ("v1-unknown-model", "/v1/models/nope:predict", {"instances": ["a"]}, 404, "Model with name nope does not exist."),
     ("v1-explain", f"/v1/models/{NAME}:explain", {"instances": ["a"]}, 400,
      f"model {NAME} has no explainer; use :predict, /infer or the OpenAI routes"),
@@ -378,6 +384,9 @@ KSERVE_BAD = [
     ("v2-unknown-output", f"/v2/models/{NAME}/infer", {**v2_body(), "outputs": [{"name": "logits"}]}, 400,
      "unknown output 'logits'; this model has ['finish_reason', 'text_output']"),
     ("v2-unknown-model", "/v2/models/nope/infer", v2_body(), 404, "Model with name nope does not exist."),
+    ("v2-too-many-prompts", f"/v2/models/{NAME}/infer",
+     v2_body(shape=[MAX_PROMPTS + 1], data=["a"] * (MAX_PROMPTS + 1)), 400, f"text_input holds {MAX_PROMPTS + 1} prompts; this server takes at most {MAX_PROMPTS} per request"),
+    ("v2-body-too-large", f"/v2/models/{NAME}/infer", v2_body(data=["x" * MAX_BODY_BYTES]), 413, TOO_LARGE),
 ]
 
 
@@ -386,6 +395,17 @@ KSERVE_BAD = [
 def test_kserve_routes_refuse_bad_input(kserve_ready, path, body, status, message):
     response = kserve_ready.post(path, body)
     assert (response.status_code, response.json()) == (status, {"error": message})
+
+
+def test_chunked_bodies_over_the_limit_are_413_kserve_and_openai_style(kserve_ready):
+    """Without a Content-Length the body is counted as it is read; the OpenAI routes keep their own 413."""
+    big = json.dumps({"instances": ["x" * MAX_BODY_BYTES]}).encode()
+    response = kserve_ready.post(f"/v1/models/{NAME}:predict", iter([big[:1000], big[1000:]]))
+    assert (response.status_code, response.json()) == (413, {"error": TOO_LARGE})
+    big = json.dumps({"prompt": "x" * MAX_BODY_BYTES}).encode()
+    for content in (big, iter([big[:1000], big[1000:]])):
+        response = kserve_ready.post("/openai/v1/completions", content, headers=AUTH)
+        assert (response.status_code, response.json()["error"]["code"]) == (413, "request_too_large")
 
 
 @pytest.mark.parametrize("body", [b"{nope", {"inputs": 1}, {"no_inputs": []},

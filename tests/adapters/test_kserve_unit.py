@@ -230,3 +230,164 @@ def test_the_edge_flags_reach_the_openai_app():
                        "--allowed-origins", "https://app.example.com", "--metrics-require-api-key"])
     assert edge_options(args) == {"allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
                                   "max_prompts_per_request": 3, "metrics_require_api_key": True}
+
+
+# ---- KServe's own inference routes: off the loop, the configured limits, a body limit ------------------
+class GatedTokenizer:
+    """Tokenizes one token per character, but only once ``release`` is set (a long prompt's tokenization)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.threads: list[str] = []
+
+    def __deepcopy__(self, memo: dict) -> GatedTokenizer:
+        return self  # the serving object's private copy is this one: the test holds its events
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        if not self.release.wait(10):  # only the event loop sets it: it waits here forever if held
+            raise AssertionError("the prompt was tokenized on the event loop: nothing else could run")
+        return [1 + ord(c) % 50 for c in text]
+
+
+class OneTokenStream:
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.request_id, self.finished = request_id, False
+        self.prompt_token_ids = prompt_token_ids
+
+    async def __aiter__(self):
+        from paged_runtime.outputs import CompletionOutput, RequestOutput
+        self.finished = True
+        yield RequestOutput(self.request_id, None, self.prompt_token_ids,
+                            [CompletionOutput(0, "!", [7], finish_reason="length")], finished=True)
+
+    def abort(self) -> None:
+        pass
+
+
+class PredictEngine(FakeEngine):
+    """Answers every prompt with one token "!"; tokenizes text with its tokenizer, as the runtime's engine."""
+    max_model_len = 64
+    vocab_size = 100
+    model_root = "/models/m"
+
+    def __init__(self, tokenizer: object = None) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.submitted: list[str] = []
+
+    def process(self, prompt, params):
+        from paged_runtime.engine.processor import ProcessedPrompt
+        if isinstance(prompt, dict):
+            token_ids = prompt["prompt_token_ids"]
+        else:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return ProcessedPrompt(None, token_ids, params.max_tokens)
+
+    def add_request(self, request_id, prompt, params, priority=0, cache_salt=None):
+        self.submitted.append(request_id)
+        return OneTokenStream(request_id, prompt.token_ids)
+
+
+def started_model(engine: PredictEngine, limits=None) -> PagedRuntimeModel:
+    model = PagedRuntimeModel("m", ["m"], lambda: engine, **({} if limits is None else {"limits": limits}))
+    model.load()
+    asyncio.run(model.start_engine())
+    return model
+
+
+@pytest.mark.parametrize("payload", ["v1", "v2"])
+def test_predict_tokenizes_on_the_tokenizer_worker_not_the_event_loop(payload):
+    """While a long prompt is tokenized, the event loop (health routes included) keeps running."""
+    from kserve.protocol.infer_type import InferInput, InferRequest
+    tokenizer = GatedTokenizer()
+    model = started_model(PredictEngine(tokenizer))
+    request = ({"instances": ["hello"]} if payload == "v1" else
+               InferRequest("m", [InferInput("text_input", [1], "BYTES", ["hello"])]))
+
+    async def run():
+        predict = asyncio.create_task(model.predict(request))
+        assert await asyncio.to_thread(tokenizer.entered.wait, 10)
+        tokenizer.release.set()  # another coroutine runs while the prompt is tokenized
+        return await asyncio.wait_for(predict, 10)
+
+    response = asyncio.run(run())
+    if payload == "v1":
+        assert response == {"predictions": [{"text": "!", "finish_reason": "length",
+                                             "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+                                                       "total_tokens": 6}}]}
+    else:
+        assert response.outputs[0].data == ["!"] and response.parameters["prompt_tokens"] == 5
+    assert len(tokenizer.threads) == 1 and tokenizer.threads[0].startswith("tokenizer")  # the worker's thread
+
+
+def test_the_configured_limits_reach_the_models_serving_object():
+    from kserve_adapter.server import build_model
+    from paged_runtime.entrypoints.openai.serving import RequestLimits
+    args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1KiB", "--max-prompts-per-request", "3"])
+    model = build_model(args, config=None)
+    model.engine_factory = PredictEngine  # instead of loading weights
+    model.load()
+    asyncio.run(model.start_engine())
+    assert model.serving.limits == RequestLimits(max_body_bytes=1024, max_prompts_per_request=3)
+
+
+def test_too_many_prompts_per_request_is_invalid_input_naming_the_limit():
+    from kserve.protocol.infer_type import InferInput, InferRequest
+    from paged_runtime.entrypoints.openai.serving import RequestLimits
+    engine = PredictEngine()
+    model = started_model(engine, RequestLimits(max_prompts_per_request=2))
+    with pytest.raises(InvalidInput, match="instances holds 3 prompts; this server takes at most 2 per request"):
+        asyncio.run(model.predict({"instances": [{"prompt": [1]}] * 3}))
+    texts = InferRequest("m", [InferInput("text_input", [3], "BYTES", ["a", "b", "c"])])
+    with pytest.raises(InvalidInput, match="text_input holds 3 prompts; this server takes at most 2 per request"):
+        asyncio.run(model.predict(texts))
+    assert engine.submitted == []
+    assert asyncio.run(model.predict({"instances": [{"prompt": [1]}] * 2}))["predictions"][1]["text"] == "!"
+
+
+def kserve_client(model: PagedRuntimeModel, max_body_bytes: int) -> TestClient:
+    """KServe's v1/v2 routes and error handlers over ``model``, with the OpenAI routes and the body limit."""
+    from kserve.errors import invalid_input_handler
+    from kserve.model_repository import ModelRepository
+    from kserve.protocol.dataplane import DataPlane
+    from kserve.protocol.model_repository_extension import ModelRepositoryExtension
+    from kserve.protocol.rest.v1_endpoints import register_v1_endpoints
+    from kserve.protocol.rest.v2_endpoints import register_v2_endpoints
+    from kserve_adapter.openai_routes import OpenAIRoutes, mount_openai_routes
+    from kserve_adapter.server import install_body_limit
+    repository = ModelRepository()
+    repository.update(model)
+    app = FastAPI()
+    mount_openai_routes(app, OpenAIRoutes(model, max_request_body_bytes=max_body_bytes))
+    register_v1_endpoints(app, DataPlane(repository), ModelRepositoryExtension(repository))
+    register_v2_endpoints(app, DataPlane(repository), ModelRepositoryExtension(repository))
+    app.add_exception_handler(InvalidInput, invalid_input_handler)
+    install_body_limit(app, max_body_bytes)
+    return TestClient(app)
+
+
+def test_oversized_bodies_are_413_on_kserves_routes_and_the_openai_routes_keep_theirs():
+    engine = PredictEngine()
+    client = kserve_client(started_model(engine), max_body_bytes=1024)
+    message = "The request body is larger than this server's limit of 1024 bytes."
+    big = b'{"instances": [{"prompt": [' + b"1, " * 400 + b'1]}]}'
+    for path in ("/v1/models/m:predict", "/v2/models/m/infer"):
+        response = client.post(path, content=big, headers={"Content-Type": "application/json"})
+        assert (response.status_code, response.json()) == (413, {"error": message}), path
+        chunked = client.post(path, content=iter([big[:1000], big[1000:]]),  # no Content-Length: counted
+                              headers={"Content-Type": "application/json"})
+        assert (chunked.status_code, chunked.json()) == (413, {"error": message}), path
+    assert engine.submitted == []
+    small = client.post("/v1/models/m:predict", json={"instances": [{"prompt": [1, 2], "max_tokens": 1}]})
+    assert (small.status_code, small.json()["predictions"][0]["text"]) == (200, "!")
+    small = client.post("/v1/models/m:predict", content=iter([b'{"instances": ', b'[{"prompt": [1, 2]}]}']),
+                        headers={"Content-Type": "application/json"})
+    assert (small.status_code, small.json()["predictions"][0]["text"]) == (200, "!")
+    for path in ("/openai/v1/completions", "/v1/completions"):  # the OpenAI routes' own 413 and error body
+        for content in (big, iter([big[:1000], big[1000:]])):
+            error = client.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert (error.status_code, error.json()["error"]["code"]) == (413, "request_too_large"), path
+    streamed = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
