@@ -133,7 +133,7 @@ class PagedRuntimeModel(Model):
         (one tokenizer, one thread), so the event loop goes on serving meanwhile."""
         worker = serving.tokenizer_worker
         prepare = protocol.v2_prepare if isinstance(payload, InferRequest) else protocol.v1_prepare
-        return await worker.run(prepare, serving, payload, worker.tokenizer)
+        return await worker.run(prepare, serving, payload, True)
 
     @staticmethod
     async def _generate(engine: EngineClient, request_id: str, batch: list[protocol.Prepared]) -> list[RequestOutput]:

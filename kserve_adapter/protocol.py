@@ -26,10 +26,9 @@ validation, so a request is refused whole; a refusal is KServe's
 A request holds at most ``max_prompts_per_request`` prompts (instances or
 ``text_input`` elements), as a completions ``prompt`` list on the OpenAI routes.
 
-``v1_prepare`` / ``v2_prepare`` tokenize on the calling thread with the
-``tokenizer`` they are given: call them on the serving object's tokenizer
-worker with its tokenizer (``PagedRuntimeModel.predict`` does), never on the
-event loop.
+``v1_prepare`` / ``v2_prepare`` tokenize on the calling thread: call them on
+the serving object's tokenizer worker with ``on_worker=True`` (it then uses the
+worker's tokenizer; ``PagedRuntimeModel.predict`` does), never on the event loop.
 """
 from __future__ import annotations
 
@@ -99,8 +98,8 @@ def sampling_params(serving: OpenAIServing, req: PromptRequest) -> SamplingParam
     return serving.sampling_params(req, req.max_tokens, None)
 
 
-def prepare(serving: OpenAIServing, req: PromptRequest, params: SamplingParams, tokenizer: object | None) -> Prepared:
-    return Prepared(serving.process(req.prompt, params, "prompt", tokenizer), params, req.priority, req.cache_salt)
+def prepare(serving: OpenAIServing, req: PromptRequest, params: SamplingParams, on_worker: bool) -> Prepared:
+    return Prepared(serving.process(req.prompt, params, "prompt", on_worker), params, req.priority, req.cache_salt)
 
 
 def check_prompt_count(serving: OpenAIServing, where: str, count: int) -> None:
@@ -111,8 +110,8 @@ def check_prompt_count(serving: OpenAIServing, where: str, count: int) -> None:
 
 
 # ---- v1 ----------------------------------------------------------------------------------------
-def v1_prepare(serving: OpenAIServing, body: object, tokenizer: object | None = None) -> list[Prepared]:
-    """Every instance of a v1 body, checked and tokenized (text by ``tokenizer``, see the module docstring);
+def v1_prepare(serving: OpenAIServing, body: object, on_worker: bool = False) -> list[Prepared]:
+    """Every instance of a v1 body, checked and tokenized (see ``on_worker`` in the module docstring);
     InvalidInput for the first one that is wrong."""
     if isinstance(body, (bytes, str)):  # KServe passes the raw body on unless Content-Type says JSON (curl -d)
         try:  # the OpenAI routes' parser: lone surrogates and deep nesting are refused too
@@ -133,7 +132,7 @@ def v1_prepare(serving: OpenAIServing, body: object, tokenizer: object | None = 
             if not isinstance(instance, dict):
                 raise InvalidInput(f"instances[{i}] must be a prompt string or an object with a 'prompt'")
             req = PromptRequest.model_validate(instance)
-            batch.append(prepare(serving, req, sampling_params(serving, req), tokenizer))
+            batch.append(prepare(serving, req, sampling_params(serving, req), on_worker))
     return batch
 
 
@@ -144,8 +143,8 @@ def v1_response(outputs: list[RequestOutput]) -> dict:
 
 
 # ---- v2 ----------------------------------------------------------------------------------------
-def v2_prepare(serving: OpenAIServing, request: InferRequest, tokenizer: object | None = None) -> list[Prepared]:
-    """The prompts of ``text_input`` with the request's parameters, checked and tokenized (by ``tokenizer``)."""
+def v2_prepare(serving: OpenAIServing, request: InferRequest, on_worker: bool = False) -> list[Prepared]:
+    """The prompts of ``text_input`` with the request's parameters, checked and tokenized (see ``on_worker``)."""
     texts = v2_texts(request)
     check_prompt_count(serving, TEXT_INPUT, len(texts))
     _check_requested_outputs(request)
@@ -158,7 +157,7 @@ def v2_prepare(serving: OpenAIServing, request: InferRequest, tokenizer: object 
     batch = []
     for i, text in enumerate(texts):
         with client_errors(f"{TEXT_INPUT}[{i}]"):
-            batch.append(prepare(serving, shared.model_copy(update={"prompt": text}), params, tokenizer))
+            batch.append(prepare(serving, shared.model_copy(update={"prompt": text}), params, on_worker))
     return batch
 
 
