@@ -102,6 +102,9 @@ class BlockingTokenizer:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
+    def __len__(self) -> int:  # special methods skip __getattr__
+        return len(self.real)
+
     def _block_once(self) -> None:
         with self._lock:
             first, self._blocked = not self._blocked, True
