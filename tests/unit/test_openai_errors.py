@@ -17,3 +17,12 @@ def test_engine_wide_errors_keep_their_codes():
     dead = from_exception(EngineDeadError("gone"))
     assert (dead.status, dead.code) == (503, "engine_unavailable")
     assert from_exception(EngineOverloadedError("full")).status == 503
+
+
+def test_a_client_that_left_while_its_body_was_read_is_not_an_error(caplog):
+    """The soak's disconnects during a body logged a traceback per request as an 'unexpected error'."""
+    from starlette.requests import ClientDisconnect
+    with caplog.at_level("ERROR"):
+        error = from_exception(ClientDisconnect())
+    assert (error.status, error.code) == (499, "client_closed_request")
+    assert not caplog.records

@@ -41,8 +41,8 @@ from starlette.types import Receive, Scope, Send
 
 from paged_runtime.engine.client import EngineClient
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
-from paged_runtime.entrypoints.openai.errors import (OpenAIError, bad_request, from_exception, parse_json,
-                                                    payload_too_large, unauthorized, unsupported_media_type)
+from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
+                                                    parse_json, payload_too_large, unauthorized, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                        TokenizeRequest)
 from paged_runtime.entrypoints.openai.serving import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -51,7 +51,6 @@ from paged_runtime.entrypoints.openai.serving_chat import ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 
 
 class OpenAIRoute(APIRoute):

@@ -17,9 +17,12 @@ import logging
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, RequestFailedError
 from paged_runtime.sampling_params import ParameterError
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ def from_exception(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineOverloadedError):
         return OpenAIError(503, str(e), type="server_overloaded", code="server_overloaded",
                            headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, ClientDisconnect):  # the client left while its body was read: nobody to answer, nothing wrong
+        return OpenAIError(CLIENT_CLOSED_REQUEST, "the client closed the connection", code="client_closed_request")
     if isinstance(e, RequestFailedError):  # the engine failed this request alone (and logged why)
         return OpenAIError(500, str(e), type="server_error", code="request_failed")
     if isinstance(e, EngineDeadError):
