@@ -5,7 +5,9 @@ rotate-half RoPE, residual order) so greedy outputs match it token for token.
 q/k/v and gate/up are fused into single matrices; logits are computed only for
 the rows that are sampled. The arithmetic is the op set's (``layers/ops.py``);
 where it offers one (the CPU kernels on a small decode step), each decoder layer
-runs as a single op.
+runs as a single op. A family that adds steps subclasses these classes through
+their hooks (``project_qkv``, ``attention_class``, ``decoder_layer_class``,
+``one_op_layer``), as ``models/qwen3.py`` does.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from paged_runtime.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, method, dtype, device,
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ops: TorchOps, method, dtype, device,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.attention_bias,
@@ -36,8 +38,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(p.num_heads, p.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, rope, meta) -> torch.Tensor:
-        q, k, v = self.rotary(self.qkv_proj(x), self.sizes, rope)
+        q, k, v = self.rotary(self.project_qkv(x), self.sizes, rope)
         return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused [T, q + k + v] rows that RoPE rotates (a family may transform them first)."""
+        return self.qkv_proj(x)
 
 
 class LlamaMLP(nn.Module):
@@ -54,11 +60,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ops: TorchOps, method, dtype, device,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.ops = ops
-        self.self_attn = LlamaAttention(c, rotary, method, dtype, device, tp)
+        self.self_attn = self.attention_class(c, rotary, ops, method, dtype, device, tp)
         self.mlp = LlamaMLP(c, ops, method, dtype, device, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
@@ -84,6 +92,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_class = LlamaDecoderLayer
+    # Whether ops.decoder_layer (the one-op layer: norm, qkv, RoPE, attention, o, norm, MLP) computes
+    # this family's decoder layer; a family that adds a step to the layer sets it False.
+    one_op_layer = True
+
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
                  ops: TorchOps | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -92,14 +105,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_len, config.rope_theta, config.rope_scaling, self.ops,
                                       device)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, self.ops, method, dtype, device, tp)
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
         # Only unquantized weights fit the one-op layer (ops.decoder_layer).
-        self.fusable = type(method) is UnquantizedLinearMethod
+        self.fusable = self.one_op_layer and type(method) is UnquantizedLinearMethod
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Flat batch of tokens in, final hidden states out ([num_tokens, hidden])."""
@@ -172,7 +185,3 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-
-
-MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                 "Qwen2ForCausalLM": LlamaForCausalLM}

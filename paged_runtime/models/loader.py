@@ -13,9 +13,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from paged_runtime.models.config import ModelConfig
-from paged_runtime.models.llama import MODEL_CLASSES, LlamaForCausalLM
+from paged_runtime.models.llama import LlamaForCausalLM
+from paged_runtime.models.qwen3 import Qwen3ForCausalLM
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.utils.cpu import move_to_huge_pages
+
+# config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
+MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
+                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
