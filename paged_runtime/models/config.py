@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,20 @@ class ModelConfig:
     def from_dict(cls, raw: dict) -> ModelConfig:
         architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(f"unsupported architecture {architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         num_heads = raw["num_attention_heads"]
         # transformers 5 folds rope settings into `rope_parameters`; 4.x uses rope_theta/rope_scaling.
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         sliding = raw.get("sliding_window")
         if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            sliding = None
+        if architecture == "Qwen3ForCausalLM":
+            if raw.get("use_sliding_window", False):
+                # Qwen3 slides only its layers past max_window_layers; attention here is the same on every layer.
+                raise ValueError("Qwen3ForCausalLM with use_sliding_window=true is not supported: attention here is "
+                                 "full-context on every layer (set use_sliding_window to false in config.json)")
             sliding = None
         return cls(
             architecture=architecture,
