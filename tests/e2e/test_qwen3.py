@@ -131,3 +131,18 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_list(tiny_qwe
         make_llm(folder, max_model_len=128)
     assert str(info.value) == ("unsupported architecture 'GPT2LMHeadModel'; supported: "
                                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+
+
+def test_a_published_qwen3_config_reads_as_its_shape():
+    """Qwen3-0.6B's config.json as published (transformers 4.x keys): head_dim 128 though 1024 / 16 = 64."""
+    from paged_runtime.models.config import ModelConfig
+    raw = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+           "eos_token_id": 151645, "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072,
+           "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+           "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+           "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+           "use_sliding_window": False, "vocab_size": 151936}
+    c = ModelConfig.from_dict(raw)
+    assert (c.head_dim, c.num_heads, c.num_kv_heads) == (128, 16, 8)
+    assert (c.attention_bias, c.tie_word_embeddings) == (False, True)
+    assert (c.rope_theta, c.rope_scaling, c.sliding_window, c.rms_norm_eps) == (1000000, None, None, 1e-06)
