@@ -33,7 +33,10 @@ class DecodeRows:
     def num_rows(self) -> int:
         return self.context_lens.shape[0]
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None:
+            raise NotImplementedError("sliding window / soft cap in the CPU decode kernel")  # issue 20, in progress
         return cpu_kernels.cpu_paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens, self.block_size, scale)
 
 

@@ -10,10 +10,15 @@ padding small when lengths have long tails); verifications (last token + drafts)
 in groups, one gather per request with causal queries; each prompt chunk on its
 own with a causal mask aligned to the end of its context (earlier chunks and cache
 hits come first). Gather indices and masks are built once per step, not per layer.
+
+A sliding-window layer (``window``) narrows each mask to the query's last ``window``
+positions (built on the first layer that asks, then kept for the step); a soft-capped
+layer (``softcap``) attends in explicit ops, as Hugging Face's eager attention does, since
+SDPA has no cap.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,11 @@ import numpy as np
 from paged_runtime.batch import StepBatch
 
 
+def in_window(query_pos: torch.Tensor, width: int, window: int) -> torch.Tensor:
+    """[..., width] bool: key position j is inside the window of a query at ``query_pos`` (j > pos - window)."""
+    return torch.arange(width, device=query_pos.device) > (query_pos[..., None] - window)
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     query_start: int
@@ -30,7 +40,19 @@ class PrefillChunk:
     # Slots of the whole context (cached prefix + this chunk); None when the
     # chunk is the whole context, so the fresh K/V are used directly.
     context_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend
+    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend (None: plain causal, L == C)
+    context_len: int = 0
+    window_masks: dict = field(default_factory=dict)
+
+    def window_mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The causal mask narrowed to ``window`` (None: the plain one)."""
+        if window is None or window >= self.context_len:
+            return self.mask
+        if window not in self.window_masks:
+            base = self.mask if self.mask is not None else causal_mask(self.query_len, self.context_len, device)
+            query_pos = torch.arange(self.context_len - self.query_len, self.context_len, device=device)
+            self.window_masks[window] = base & in_window(query_pos, self.context_len, window)
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -38,13 +60,27 @@ class DecodeGroup:
     row_start: int
     slots: torch.Tensor  # [rows, max_context] gather index (padding points at a real slot, masked)
     mask: torch.Tensor | None  # [rows, 1, 1, max_context] bool, None when all lengths are equal
+    context_lens: torch.Tensor | None = None  # [rows]
+    window_masks: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
         return self.slots.shape[0]
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        return _decode_attention(q, kv_cache, self, scale)
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        return _decode_attention(q, kv_cache, self, scale, self.window_mask(window), softcap)
+
+    def window_mask(self, window: int | None) -> torch.Tensor | None:
+        if window is None or window >= self.slots.shape[1]:
+            return self.mask
+        if window not in self.window_masks:
+            width = self.slots.shape[1]
+            keep = in_window(self.context_lens - 1, width, window)
+            if self.mask is not None:
+                keep &= self.mask[:, 0, 0]
+            self.window_masks[window] = keep[:, None, None, :]
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -56,19 +92,29 @@ class VerifyGroup:
     query_index: torch.Tensor  # [rows] flat row -> position in the [requests * max_queries] grid
     max_queries: int
     mask: torch.Tensor  # [requests, 1, max_queries, max_context] bool
+    query_pos: torch.Tensor | None = None  # [requests, max_queries] each query's position (padding: 0)
+    window_masks: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
         return self.query_index.shape[0]
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         requests, width = self.slots.shape
         context = kv_cache.index_select(0, self.slots.reshape(-1)).view(requests, width, *kv_cache.shape[1:])
         grid = q.new_zeros(requests * self.max_queries, *q.shape[1:]).index_copy_(0, self.query_index, q)
         grid = grid.view(requests, self.max_queries, *q.shape[1:]).transpose(1, 2)  # [R, H, Q, D]
-        out = F.scaled_dot_product_attention(grid, context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2),
-                                             attn_mask=self.mask, scale=scale, enable_gqa=True)
+        out = attention(grid, context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2),
+                        self.window_mask(window), scale, softcap)
         return out.transpose(1, 2).reshape(requests * self.max_queries, *q.shape[1:]).index_select(0, self.query_index)
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        if window is None or window >= self.slots.shape[1]:
+            return self.mask
+        if window not in self.window_masks:  # padding rows (position 0) keep their one key
+            self.window_masks[window] = self.mask & in_window(self.query_pos, self.slots.shape[1], window)[:, None]
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -80,9 +126,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     rows_only = False  # the CPU kernel backend's flag for its one-op decoder layer; never here
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, self, scale)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, self, scale, window, softcap)
 
 
 def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor) -> DecodeGroup:
@@ -90,7 +136,7 @@ def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor
     if int(context_lens.min()) != slots.shape[1]:
         positions = torch.arange(slots.shape[1], device=slots.device)
         mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    return DecodeGroup(row_start, slots, mask)
+    return DecodeGroup(row_start, slots, mask, context_lens)
 
 
 def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
@@ -99,41 +145,59 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]."""
     kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
     out = torch.empty_like(q)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)
-        out[rows] = group.attend(q[rows], kv_cache, scale)
+        out[rows] = group.attend(q[rows], kv_cache, scale, window, softcap)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        mask = chunk.window_mask(window, q.device)
         if chunk.context_slots is None:
-            out[rows] = _attend(q[rows], k[rows], v[rows], None, scale)
+            out[rows] = _attend(q[rows], k[rows], v[rows], mask, scale, softcap)
         else:
             context = kv_cache.index_select(0, chunk.context_slots)
-            out[rows] = _attend(q[rows], context[:, 0], context[:, 1], chunk.mask, scale)
+            out[rows] = _attend(q[rows], context[:, 0], context[:, 1], mask, scale, softcap)
     return out
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None, causal: bool = False) -> torch.Tensor:
+    """SDPA over q [B, H, Q, D], k / v [B, Hkv, C, D] (mask: bool, True = attend); with a soft cap, the
+    same in explicit ops: scores * scale, capped, masked, softmax in float32, times v (Hugging Face's
+    eager attention, step for step)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if causal:
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float | None = None) -> torch.Tensor:
     """One sequence: q [L, H, D], k/v [C, Hkv, D]; causal when mask is None (L == C)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    out = attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                    mask, scale, softcap, causal=mask is None)
     return out.squeeze(0).transpose(0, 1)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float,
+                      mask: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """Batched one-token queries over gathered context: q [B, H, D] -> [B, H, D]."""
     # index_select on the flattened index is ~2x faster than advanced indexing here.
     context = kv_cache.index_select(0, group.slots.reshape(-1)).view(*group.slots.shape, *kv_cache.shape[1:])
     keys = context[:, :, 0].transpose(1, 2)  # [B, Hkv, C, D], strided: SDPA takes it as is
     values = context[:, :, 1].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=group.mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    return attention(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
 
 
 # ---- from the step's batch -------------------------------------------------------------------
@@ -169,15 +233,18 @@ def verify_group(batch: StepBatch, first: int, end: int, to) -> VerifyGroup:
     width, queries = int((starts + counts).max()), int(counts.max())
     query_pos = starts[:, None] + np.arange(queries)[None, :]  # [R, Q]
     mask = np.arange(width)[None, None, :] <= query_pos[:, :, None]
-    mask[np.arange(queries)[None, :] >= counts[:, None]] = np.arange(width) == 0  # padding: see one key
+    padding = np.arange(queries)[None, :] >= counts[:, None]
+    mask[padding] = np.arange(width) == 0  # padding: see one key
+    query_pos[padding] = 0
     return VerifyGroup(row_start, to(batch.slots(slice(first, end), np.arange(width))),
-                       to(owner * queries + offset), queries, to(mask[:, None]))
+                       to(owner * queries + offset), queries, to(mask[:, None]), to(query_pos))
 
 
 def prefill_chunk(batch: StepBatch, item: int, to) -> PrefillChunk:
     query_start, query_len = int(batch.query_start_loc[item]), int(batch.query_lens[item])
-    if batch.starts[item] == 0:
-        return PrefillChunk(query_start, query_len, None, None)
     context_len = int(batch.seq_lens[item])
+    if batch.starts[item] == 0:
+        return PrefillChunk(query_start, query_len, None, None, context_len)
     context = to(batch.slots(slice(item, item + 1), np.arange(context_len))[0])
-    return PrefillChunk(query_start, query_len, context, causal_mask(query_len, context_len, context.device))
+    return PrefillChunk(query_start, query_len, context, causal_mask(query_len, context_len, context.device),
+                        context_len)

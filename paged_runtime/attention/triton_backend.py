@@ -35,8 +35,10 @@ class TritonAttentionMetadata:
     num_kv_splits: int | None = None  # None: kernels.attention.num_kv_splits decides per call
     rows_only = False  # the CPU kernel backend's flag; never here
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None:
+            raise NotImplementedError("sliding window / soft cap in the Triton kernel")  # issue 20, in progress
         return paged_attention(q, k, v, kv_cache, self, scale)
 
 

@@ -11,14 +11,20 @@ from torch import nn
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    """``sliding_window`` W: a query at position p sees keys p - W + 1 .. p (W keys, its own included; as
+    Hugging Face's and vLLM's masks); None sees the whole context. ``logit_softcap`` c: each score s becomes
+    ``c * tanh(s / c)`` before the mask and softmax (Gemma); None leaves scores as they are."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.kv_cache: torch.Tensor | None = None  # [num_slots, 2, num_kv_heads, head_dim], bound by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q [T, H, D], k / v [T, Hkv, D] -> [T, H, D]."""
-        return meta.attend(q, k, v, self.kv_cache, self.scale)
+        return meta.attend(q, k, v, self.kv_cache, self.scale, self.sliding_window, self.logit_softcap)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

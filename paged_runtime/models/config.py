@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -28,6 +28,13 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    # Per decoder layer: its attention's sliding window (None: full context). Empty: no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
+    # The whole config.json, for what one family alone reads (Gemma's scalars, experts, LongRoPE factors).
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def window(self, layer_index: int) -> int | None:
+        return self.layer_windows[layer_index] if self.layer_windows else None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -78,4 +85,5 @@ class ModelConfig:
             sliding_window=sliding,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            raw=raw,
         )

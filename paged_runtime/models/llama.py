@@ -27,7 +27,7 @@ from paged_runtime.models.config import ModelConfig
 
 class LlamaAttention(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ops: TorchOps, method, dtype, device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, layer_index: int = 0) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.attention_bias,
                                           method, dtype, device, tp)
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         p = self.qkv_proj
         self.sizes = (p.q_size, p.kv_size, p.kv_size)
         self.rotary = rotary
-        self.attn = Attention(p.num_heads, p.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+        self.attn = Attention(p.num_heads, p.num_kv_heads, c.head_dim, c.head_dim ** -0.5, c.window(layer_index))
 
     def forward(self, x: torch.Tensor, rope, meta) -> torch.Tensor:
         q, k, v = self.rotary(self.project_qkv(x), self.sizes, rope)
@@ -63,10 +63,10 @@ class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
 
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ops: TorchOps, method, dtype, device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, layer_index: int = 0) -> None:
         super().__init__()
         self.ops = ops
-        self.self_attn = self.attention_class(c, rotary, ops, method, dtype, device, tp)
+        self.self_attn = self.attention_class(c, rotary, ops, method, dtype, device, tp, layer_index)
         self.mlp = LlamaMLP(c, ops, method, dtype, device, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
@@ -105,8 +105,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_len, config.rope_theta, config.rope_scaling, self.ops,
                                       device)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp, i)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp)
         if config.tie_word_embeddings:

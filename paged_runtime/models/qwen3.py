@@ -13,8 +13,8 @@ from paged_runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaF
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, c, rotary, ops, method, dtype, device, tp) -> None:
-        super().__init__(c, rotary, ops, method, dtype, device, tp)
+    def __init__(self, c, rotary, ops, method, dtype, device, tp, layer_index=0) -> None:
+        super().__init__(c, rotary, ops, method, dtype, device, tp, layer_index)
         self.head_dim = c.head_dim
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops, dtype, device)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops, dtype, device)
