@@ -402,9 +402,9 @@ def _mixtral_config(cfg: dict, hp: dict) -> None:
     )
 
 
-# llama.cpp hard-codes Gemma 3's layout rather than storing it: every 6th layer is global, local
-# layers use rope base 10000, and the 27B (62 layers) scales queries by hidden/heads, the others
-# by head_dim.
+# llama.cpp hard-codes Gemma 3's layout rather than storing it: every 6th layer is global (unless the
+# file carries attention.sliding_window_pattern), local layers use rope base 10000, and the 27B
+# (62 layers) scales queries by hidden/heads, the others by head_dim.
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
 
@@ -415,13 +415,14 @@ def _gemma3_config(cfg: dict, hp: dict) -> None:
     local_theta = _f32(p("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
     softcap = p("final_logit_softcapping", None)
     full_rope = {"rope_type": "default", "rope_theta": hp["rope_theta"], **(hp["rope_scaling"] or {})}
+    pattern = p("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    sliding = _sliding_layers(pattern, n)
     del cfg["hidden_act"]  # Gemma's key is hidden_activation
     cfg.update(
         hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=hp["hidden"] // hp["n_head"] if n == 62 else hp["head_dim"],
         sliding_window=int(p("attention.sliding_window")),
-        sliding_window_pattern=_GEMMA3_PATTERN,
-        layer_types=["sliding_attention" if (i + 1) % _GEMMA3_PATTERN else "full_attention" for i in range(n)],
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
         rope_local_base_freq=local_theta,
         rope_scaling=hp["rope_scaling"],
         rope_parameters={"full_attention": full_rope,
@@ -430,6 +431,17 @@ def _gemma3_config(cfg: dict, hp: dict) -> None:
         attn_logit_softcapping=None,
         use_bidirectional_attention=False,
     )
+    if not isinstance(pattern, list):
+        cfg["sliding_window_pattern"] = int(pattern)  # the 4.x key published configs carry
+
+
+def _sliding_layers(pattern, n_layer: int) -> list[bool]:
+    # GGUF's sliding_window_pattern: an int n (every n-th layer global) or one bool per layer (true: sliding).
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
+        return [bool(x) for x in pattern]
+    return [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
 
 
 def _phi3_config(cfg: dict, hp: dict) -> None:

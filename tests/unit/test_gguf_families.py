@@ -52,12 +52,12 @@ def _qwen3_moe():
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
 
 
-def _gemma3():
+def _gemma3(**layout):
     # 6 layers: llama.cpp's fixed pattern makes layer 5 global; a window of 4 slides on PROMPT.
     # The global rope is scaled linearly (Gemma 3 4B and up), the local one is not.
     return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         **_COMMON, intermediate_size=96, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=4, rope_parameters={
+        sliding_window=4, **layout, rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
 
@@ -89,9 +89,9 @@ FAMILIES = {  # GGUF general.architecture -> tiny model builder
 }
 
 
-def _build(arch):
+def _build(arch, **kwargs):
     torch.manual_seed(0)
-    model = FAMILIES[arch]().float().eval()
+    model = FAMILIES[arch](**kwargs).float().eval()
     with torch.no_grad():  # HF initialises norms to ones (Gemma's to zeros): spread them
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -150,6 +150,8 @@ def _write_metadata(w, arch: str, cfg: dict, rope: dict):
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
+        if cfg["layer_types"] != transformers.Gemma3TextConfig(num_hidden_layers=cfg["num_hidden_layers"]).layer_types:
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
@@ -289,6 +291,21 @@ def test_matches_transformers_gguf_loader(family):
         assert torch.equal(ref_sd[name], our_sd[name]), name
 
 
+def test_gemma3_layer_pattern_from_the_file(tmp_path):
+    """A file that states its per-layer sliding pattern overrides llama.cpp's every-6th default."""
+    sliding, full = "sliding_attention", "full_attention"
+    layer_types = [sliding, full, sliding, sliding, full, full]
+    model = _build("gemma3", layer_types=layer_types)
+    model.save_pretrained(tmp_path / "hf")
+    write_gguf(tmp_path / "hf", "gemma3", tmp_path / "g.gguf")
+    out = convert_gguf(tmp_path / "g.gguf", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == layer_types and "sliding_window_pattern" not in cfg
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, loaded(PROMPT).logits)
+
+
 def test_q8_0_equals_gguf_dequantization(tmp_path):
     """A quantised file: weights are gguf-py's dequantisation, and match transformers' own reader."""
     model = _build("qwen3")
@@ -327,3 +344,43 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     for arch in ("gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe"):
         assert repr(arch) in str(err.value)
     assert set(SUPPORTED_GGUF_ARCHITECTURES) == {"gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3moe"}
+
+
+# --------------------------------------------------------------------------- the runtime on a converted GGUF
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_runtime_serves_q8_0_qwen3_gguf_like_transformers(tmp_path, monkeypatch):
+    """LLM(model="x.gguf") converts on first use and serves greedy tokens identical to transformers on the
+    converted folder, with chunked prefill, a shared prefix (cache hits), preemption and n = 2.  Q8_0, as
+    published GGUFs are quantised (F32 files differ only in the bytes dequantised)."""
+    from conftest import assert_idle, make_llm
+    from paged_runtime import SamplingParams
+
+    model = _build("qwen3")
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf(tmp_path / "hf", "qwen3", path, gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
+    # 2 layers x 2 kv heads x 32 dims, K and V, fp32, 16 tokens a block; 10 blocks is too few for the batch.
+    llm = make_llm(path, max_model_len=160, max_num_batched_tokens=24, max_num_seqs=4,
+                   kv_cache_memory=10 * 2 * 2 * 2 * 32 * 4 * 16, block_size=16)
+    assert type(llm.engine.core.runner.model).__name__ == "Qwen3ForCausalLM"
+    (converted,) = (tmp_path / "cache").iterdir()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, VOCAB, 40).tolist()
+    prompts = [shared + rng.integers(3, VOCAB, n).tolist() for n in (1, 9, 30)] + [rng.integers(3, VOCAB, 70).tolist()]
+    params = [SamplingParams(max_tokens=12, temperature=0, n=2 if i == 0 else 1) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0 and core.kv_cache.num_hit_tokens > 0
+    for prompt, out in zip(prompts, outs):
+        expected = _hf_greedy(hf, prompt, 12)
+        assert [c.token_ids for c in out.outputs] == [expected] * len(out.outputs)
+    assert_idle(llm)
