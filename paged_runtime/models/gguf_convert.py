@@ -124,6 +124,8 @@ _GLOBAL_NAMES = {
 }
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Files from llama.cpp before April 2024 (most published Mixtral GGUFs) store one tensor per expert.
+_ONE_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 _MISSING = object()
 
 
@@ -141,7 +143,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         del tensors  # ~4 bytes/parameter; free before the tokenizer step
         ids = _special_ids(reader)
         _write_json(tmp / "config.json", _build_config(hp, ids, tied))
-        _write_json(tmp / "generation_config.json", _generation_config(ids))
+        _write_json(tmp / "generation_config.json", _generation_config(ids, _end_of_turn_id(reader, hp["spec"])))
         _write_tokenizer(gguf_path, reader, tmp)
         _make_readable(tmp)
         _install(tmp, out_dir)
@@ -261,6 +263,11 @@ def _hf_tensors(gguf_name: str, w: np.ndarray, hp: dict):
         w = w - np.float32(spec.norm_offset)
     if gguf_name in _GLOBAL_NAMES:
         yield _GLOBAL_NAMES[gguf_name], w
+        return
+    m = _ONE_EXPERT_RE.fullmatch(gguf_name)
+    if m and spec.experts and int(m.group(3)) < hp["n_expert"]:
+        layer, part, e = m.groups()
+        yield f"model.layers.{layer}.{spec.experts[part + '_exps'].format(e=int(e))}.weight", w
         return
     m = _BLOCK_RE.fullmatch(gguf_name)
     part = m and m.group(2)
@@ -485,12 +492,26 @@ _FAMILY_CONFIG: dict[str, Callable[[dict, dict], None]] = {
 }
 
 
-def _generation_config(ids: dict) -> dict:
+def _generation_config(ids: dict, end_of_turn: int | None) -> dict:
+    eos = ids["eos"]
+    if end_of_turn is not None and end_of_turn != eos:
+        eos = [end_of_turn] if eos is None else [eos, end_of_turn]
     return {
         "bos_token_id": ids["bos"],
-        "eos_token_id": ids["eos"],
+        "eos_token_id": eos,
         "pad_token_id": ids["pad"],
     }
+
+
+# Chat turns of these families end with a token that is not the GGUF's eos; their published
+# generation_config.json lists both (llama.cpp stops on it by its text).
+_END_OF_TURN = {"gemma3_text": "<end_of_turn>", "phi3": "<|end|>"}
+
+
+def _end_of_turn_id(reader, spec: _Arch) -> int | None:
+    text = _END_OF_TURN.get(spec.model_type)
+    tokens = _field(reader, "tokenizer.ggml.tokens", None) if text else None
+    return tokens.index(text) if tokens and text in tokens else None
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -29,7 +29,8 @@ transformers = pytest.importorskip("transformers")
 
 from paged_runtime.models.gguf_convert import SUPPORTED_GGUF_ARCHITECTURES, convert_gguf  # noqa: E402
 
-VOCAB = 3 + 256 + 90  # _byte_level_vocab()
+END_OF_TURN = ["<end_of_turn>", "<|end|>"]  # Gemma's and Phi-3's, at ids 349 and 350
+VOCAB = 3 + 256 + 90 + 2  # _byte_level_vocab()
 PROMPT = torch.tensor([[1, 5, 90, 300, 2, 17, 42, 348, 77, 100, 12, 3, 8, 310]])
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
@@ -108,8 +109,10 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(saved: dict[str, np.ndarray], arch: str, cfg: dict):
-    """The saved HF tensors as llama.cpp writes them: (gguf name, array)."""
+def _gguf_tensors(saved: dict[str, np.ndarray], arch: str, cfg: dict, stack_experts: bool = True):
+    """The saved HF tensors as llama.cpp writes them: (gguf name, array).
+
+    ``stack_experts=False``: the layout before April 2024, ``blk.{i}.ffn_gate.{e}.weight`` per expert."""
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_enum, cfg["num_hidden_layers"])
     stacked: dict[str, dict[int, np.ndarray]] = {}
@@ -126,7 +129,11 @@ def _gguf_tensors(saved: dict[str, np.ndarray], arch: str, cfg: dict):
             continue
         yield names.get_name(name, try_suffixes=(".weight", ".bias")), a
     for name, experts in stacked.items():
-        yield names.get_name(name, try_suffixes=(".weight",)), np.stack([experts[e] for e in sorted(experts)])
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        if stack_experts:
+            yield gguf_name, np.stack([experts[e] for e in sorted(experts)])
+        else:
+            yield from ((gguf_name.replace("_exps.", f".{e}."), a) for e, a in sorted(experts.items()))
 
 
 def _write_metadata(w, arch: str, cfg: dict, rope: dict):
@@ -167,7 +174,7 @@ def _write_metadata(w, arch: str, cfg: dict, rope: dict):
 
 
 def _byte_level_vocab() -> tuple[list[str], list[str]]:
-    """A tiny GPT-2-style vocabulary: 3 specials, the 256 byte symbols, and merges of frequent letters.
+    """A tiny GPT-2-style vocabulary: 3 specials, the 256 byte symbols, merges of frequent letters, 2 turn ends.
 
     Small on purpose: parsing SmolLM2's 49k-token vocabulary takes gguf-py seconds on every read.
     """
@@ -176,7 +183,7 @@ def _byte_level_vocab() -> tuple[list[str], list[str]]:
     letters = "etaoinshr"
     merges = [f"{a} {b}" for a in letters for b in letters] + [f"\u0120 {a}" for a in letters]
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values()]
-    return tokens + [m.replace(" ", "") for m in merges], merges
+    return tokens + [m.replace(" ", "") for m in merges] + END_OF_TURN, merges
 
 
 def _add_tokenizer(w):
@@ -184,7 +191,7 @@ def _add_tokenizer(w):
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))  # 3: control, 1: normal
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 5) + [3, 3])  # 3: control, 1: normal
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -197,7 +204,7 @@ def _quantize(a: np.ndarray, qtype):
     return a, None  # norms, factors and odd shapes stay F32, as llama.cpp keeps 1-D tensors F32
 
 
-def write_gguf(folder, arch: str, path, qtype=gguf.GGMLQuantizationType.F32):
+def write_gguf(folder, arch: str, path, qtype=gguf.GGMLQuantizationType.F32, stack_experts=True):
     from safetensors.numpy import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -206,7 +213,7 @@ def write_gguf(folder, arch: str, path, qtype=gguf.GGMLQuantizationType.F32):
     w = gguf.GGUFWriter(str(path), arch)
     _write_metadata(w, arch, cfg, rope)
     _add_tokenizer(w)
-    for name, a in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg):
+    for name, a in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg, stack_experts):
         data, raw = _quantize(np.ascontiguousarray(a, np.float32), qtype)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
@@ -264,6 +271,8 @@ def test_config_keys(family):
             "phi3": ["original_max_position_embeddings", "max_position_embeddings", "tie_word_embeddings"],
             "llama": ["num_local_experts", "num_experts_per_tok", "intermediate_size", "head_dim"]}[arch]
     assert {k: cfg[k] for k in keys} == {k: saved[k] for k in keys}
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert eos == {"gemma3": [2, 349], "phi3": [2, 350]}.get(arch, 2)  # chat turns end there too
     if arch == "gemma3":
         assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
         assert cfg["rope_local_base_freq"] == 1e4 and cfg["rope_theta"] == 1e6
@@ -304,6 +313,18 @@ def test_gemma3_layer_pattern_from_the_file(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(model(PROMPT).logits, loaded(PROMPT).logits)
+
+
+def test_mixtral_with_one_tensor_per_expert(tmp_path):
+    """Mixtral GGUFs made before llama.cpp stacked experts (blk.{i}.ffn_gate.{e}.weight) convert the same."""
+    model = _build("llama")
+    model.save_pretrained(tmp_path / "hf")
+    write_gguf(tmp_path / "hf", "llama", tmp_path / "old.gguf", stack_experts=False)
+    assert "blk.1.ffn_down.3.weight" in {t.name for t in gguf.GGUFReader(tmp_path / "old.gguf").tensors}
+    out = convert_gguf(tmp_path / "old.gguf", tmp_path / "out")
+    saved, ours = _tensors(tmp_path / "hf"), _tensors(out)
+    assert ours.keys() == saved.keys()
+    assert all(np.array_equal(ours[k], saved[k]) for k in saved)
 
 
 def test_q8_0_equals_gguf_dequantization(tmp_path):
