@@ -19,16 +19,19 @@ Contract
   llama.cpp's storage conventions are undone: ``attn_q``/``attn_k`` rows are
   put back in HF order for llama-style files (llama.cpp permutes them for its
   rotary layout), Gemma's RMSNorm weights lose the +1 llama.cpp folds in, and
-  stacked ``ffn_*_exps`` tensors ``[E, ...]`` are split per expert.
+  stacked ``ffn_*_exps`` tensors ``[E, ...]`` (or the older one-per-expert
+  ``blk.{i}.ffn_gate.{e}``) are split per expert.
 * ``tokenizer.json``, ``tokenizer_config.json`` (with the GGUF chat template),
   ``chat_template.jinja``, ``special_tokens_map.json``,
-  ``generation_config.json``.
+  ``generation_config.json`` (Gemma 3 and Phi-3 list their end-of-turn token
+  beside eos, as their published generation configs do).
 
 Supported ``general.architecture`` -> HF class: "llama" ("mistral" as an alias)
 -> LlamaForCausalLM, or MixtralForCausalLM when ``llama.expert_count`` > 0;
 "qwen2" -> Qwen2ForCausalLM; "qwen3" -> Qwen3ForCausalLM; "qwen3moe" ->
 Qwen3MoeForCausalLM; "gemma3" -> Gemma3ForCausalLM (text only; llama.cpp's
-fixed layout: every 6th layer global, local rope base 10000); "phi3" ->
+fixed layout: every 6th layer global unless the file states
+``attention.sliding_window_pattern``, local rope base 10000); "phi3" ->
 Phi3ForCausalLM (fused ``qkv_proj``/``gate_up_proj`` kept fused, partial rotary,
 LongRoPE factors from ``rope_factors_long``/``_short`` into ``rope_scaling``).
 
