@@ -1,4 +1,4 @@
-"""Convert a Llama-family GGUF checkpoint into a Hugging Face-style model folder.
+"""Convert a GGUF checkpoint into a Hugging Face-style model folder.
 
 Contract
 --------
@@ -6,61 +6,119 @@ Contract
 ``gguf`` package (never through transformers' model loading) and writes
 ``out_dir`` containing:
 
-* ``config.json`` -- ``LlamaForCausalLM`` config (``Qwen2ForCausalLM`` for
-  ``qwen2`` files): sizes, head counts, ``head_dim``, ``rms_norm_eps``,
-  ``rope_theta`` (also as transformers 5 ``rope_parameters``),
-  ``max_position_embeddings``, ``tie_word_embeddings`` (true when the GGUF has
-  no ``output.weight``), bos/eos/pad ids, ``torch_dtype`` "bfloat16" (the
-  dtype the runtime serves in), ``hidden_act`` "silu", ``attention_bias``
-  (false for llama; true for qwen2, meaning q/k/v biases).
-* ``model.safetensors`` -- every tensor dequantized to float32 under its HF
-  name (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.*``,
-  ``model.layers.{i}.mlp.*``, the two layer norms, ``model.norm.weight``, and
-  ``lm_head.weight`` only when untied).  ``attn_q``/``attn_k`` rows are put back
-  in HF order (llama.cpp permutes them for its rotary layout).
+* ``config.json`` -- the config of the family's HF class (see the table below):
+  sizes, head counts, ``head_dim``, ``rms_norm_eps``, ``rope_theta`` (also as
+  transformers 5 ``rope_parameters``), ``max_position_embeddings``,
+  ``tie_word_embeddings`` (true when the GGUF has no ``output.weight``),
+  bos/eos/pad ids, ``torch_dtype`` "bfloat16" (the dtype the runtime serves
+  in), plus the family's own keys, spelled as its published checkpoints spell
+  them (experts, windows, rope scaling, ...).
+* ``model.safetensors`` -- every tensor dequantized to float32 under the name
+  the family's published HF checkpoints use (MoE experts one tensor per expert:
+  ``block_sparse_moe.experts.{e}.w1`` / ``mlp.experts.{e}.gate_proj``...).
+  llama.cpp's storage conventions are undone: ``attn_q``/``attn_k`` rows are
+  put back in HF order for llama-style files (llama.cpp permutes them for its
+  rotary layout), Gemma's RMSNorm weights lose the +1 llama.cpp folds in, and
+  stacked ``ffn_*_exps`` tensors ``[E, ...]`` (or the older one-per-expert
+  ``blk.{i}.ffn_gate.{e}``) are split per expert.
 * ``tokenizer.json``, ``tokenizer_config.json`` (with the GGUF chat template),
   ``chat_template.jinja``, ``special_tokens_map.json``,
-  ``generation_config.json``.
+  ``generation_config.json`` (Gemma 3 and Phi-3 list their end-of-turn token
+  beside eos, as their published generation configs do).
 
-Supported ``general.architecture``: "llama" ("mistral" as an alias) and
-"qwen2".  The folder is built in a temporary sibling directory and renamed into
-place, so a crash never leaves a half-written ``out_dir``; an existing
-``out_dir`` is replaced.  ``ValueError`` is raised for a file that is not a
-readable GGUF (corrupt, truncated), an unsupported architecture, or tensors
-this converter does not know how to map.
+Supported ``general.architecture`` -> HF class: "llama" ("mistral" as an alias)
+-> LlamaForCausalLM, or MixtralForCausalLM when ``llama.expert_count`` > 0;
+"qwen2" -> Qwen2ForCausalLM; "qwen3" -> Qwen3ForCausalLM; "qwen3moe" ->
+Qwen3MoeForCausalLM; "gemma3" -> Gemma3ForCausalLM (text only; llama.cpp's
+fixed layout: every 6th layer global unless the file states
+``attention.sliding_window_pattern``, local rope base 10000); "phi3" ->
+Phi3ForCausalLM (fused ``qkv_proj``/``gate_up_proj`` kept fused, partial rotary,
+LongRoPE factors from ``rope_factors_long``/``_short`` into ``rope_scaling``).
+
+The folder is built in a temporary sibling directory and renamed into place,
+so a crash never leaves a half-written ``out_dir``; an existing ``out_dir`` is
+replaced.  ``ValueError`` is raised for a file that is not a readable GGUF
+(corrupt, truncated), an unsupported architecture (the message lists the
+supported ones), or tensors this converter does not know how to map.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["convert_gguf", "CONVERTER_VERSION"]
+__all__ = ["convert_gguf", "CONVERTER_VERSION", "SUPPORTED_GGUF_ARCHITECTURES"]
 
 # Bump when the output format changes so caches keyed on it get rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+
+# GGUF block tensor part -> HF module path under ``model.layers.{i}``.
+_ATTENTION = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 @dataclass(frozen=True)
 class _Arch:
     hf_class: str
     model_type: str
-    permute_qk: bool  # llama.cpp only permutes q/k for llama-style models
-    qkv_bias: bool  # qwen2 carries q/k/v biases
+    block: dict[str, str]  # GGUF part -> HF module path (one tensor each)
+    experts: dict[str, str] = field(default_factory=dict)  # stacked [E, ...] part -> path with {e}
+    permute_qk: bool = False  # llama.cpp only permutes q/k for llama-style models
+    qkv_bias: bool = False  # qwen2 carries q/k/v biases
+    norm_offset: float = 0.0  # Gemma: llama.cpp stores RMSNorm weights as 1 + w
+    config_tensors: tuple[str, ...] = ()  # GGUF tensors that go into config.json, not the weights
 
 
+_LLAMA = _Arch("LlamaForCausalLM", "llama", {**_NORMS, **_ATTENTION, **_DENSE_MLP}, permute_qk=True)
+_MIXTRAL = _Arch(
+    "MixtralForCausalLM", "mixtral", {**_NORMS, **_ATTENTION, "ffn_gate_inp": "block_sparse_moe.gate"},
+    experts={"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+             "ffn_up_exps": "block_sparse_moe.experts.{e}.w3"},
+    permute_qk=True,
+)
 _ARCHS = {
-    "llama": _Arch("LlamaForCausalLM", "llama", permute_qk=True, qkv_bias=False),
-    "mistral": _Arch("LlamaForCausalLM", "llama", permute_qk=True, qkv_bias=False),
-    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", permute_qk=False, qkv_bias=True),
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", {**_NORMS, **_ATTENTION, **_DENSE_MLP}, qkv_bias=True),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", {**_NORMS, **_ATTENTION, **_QK_NORM, **_DENSE_MLP}),
+    "qwen3moe": _Arch(
+        "Qwen3MoeForCausalLM", "qwen3_moe", {**_NORMS, **_ATTENTION, **_QK_NORM, "ffn_gate_inp": "mlp.gate"},
+        experts={"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{e}.down_proj"},
+    ),
+    "gemma3": _Arch(
+        "Gemma3ForCausalLM", "gemma3_text",
+        # Gemma's ffn_norm is the pre-feedforward norm; its post-attention norm has its own name.
+        {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+         **_ATTENTION, **_QK_NORM, **_DENSE_MLP},
+        norm_offset=1.0,
+    ),
+    "phi3": _Arch(
+        "Phi3ForCausalLM", "phi3",
+        # Phi-3 checkpoints are fused; llama.cpp keeps them fused (ffn_up holds [gate; up]).
+        {**_NORMS, "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+         "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+        config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
+    ),
 }
+SUPPORTED_GGUF_ARCHITECTURES = tuple(sorted(_ARCHS))
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,19 +126,9 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Files from llama.cpp before April 2024 (most published Mixtral GGUFs) store one tensor per expert.
+_ONE_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 _MISSING = object()
 
 
@@ -98,7 +146,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         del tensors  # ~4 bytes/parameter; free before the tokenizer step
         ids = _special_ids(reader)
         _write_json(tmp / "config.json", _build_config(hp, ids, tied))
-        _write_json(tmp / "generation_config.json", _generation_config(ids))
+        _write_json(tmp / "generation_config.json", _generation_config(ids, _end_of_turn_id(reader, hp["spec"])))
         _write_tokenizer(gguf_path, reader, tmp)
         _make_readable(tmp)
         _install(tmp, out_dir)
@@ -148,27 +196,49 @@ def _read_hparams(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHS)}"
+            f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise ValueError(f"unsupported rope scaling {scaling!r} in GGUF")
     p = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    n_expert = int(p("expert_count", 0))
+    # Mixtral is llama.cpp's "llama" with experts.
+    spec = _MIXTRAL if arch in ("llama", "mistral") and n_expert > 0 else _ARCHS[arch]
+    if bool(spec.experts) != (n_expert > 0):
+        raise ValueError(f"GGUF architecture {arch!r} with expert_count {n_expert} is not supported")
     hidden, n_head = int(p("embedding_length")), int(p("attention.head_count"))
     return {
         "arch": arch,
-        "spec": _ARCHS[arch],
+        "spec": spec,
+        "meta": p,
         "n_layer": int(p("block_count")),
         "hidden": hidden,
-        "ffn": int(p("feed_forward_length")),
+        "ffn": int(p("feed_forward_length", None) or p("expert_feed_forward_length")),
         "n_head": n_head,
         "n_head_kv": int(p("attention.head_count_kv", n_head)),
         "head_dim": int(p("attention.key_length", hidden // n_head)),
         "eps": _f32(p("attention.layer_norm_rms_epsilon")),
         "rope_theta": _f32(p("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(p, spec),
         "ctx": int(p("context_length", 2048)),
         "vocab": _vocab_size(reader),
+        "n_expert": n_expert,
+        "config_tensors": _config_tensors(reader, spec),
     }
+
+
+def _rope_scaling(p, spec: _Arch) -> dict | None:
+    kind = p("rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return None
+    # Gemma 3 (4B and up) scales its global layers' rope linearly; llama.cpp writes that as "linear".
+    if kind == "linear" and spec.model_type == "gemma3_text":
+        return {"rope_type": "linear", "factor": _f32(p("rope.scaling.factor"))}
+    raise ValueError(f"unsupported rope scaling {kind!r} in GGUF")
+
+
+def _config_tensors(reader, spec: _Arch) -> dict[str, list[float]]:
+    # Small float32 vectors (Phi-3's LongRoPE factors) that belong in config.json.
+    return {t.name: [_f32(x) for x in np.asarray(t.data, np.float32).reshape(-1)]
+            for t in reader.tensors if t.name in spec.config_tensors}
 
 
 def _vocab_size(reader) -> int:
@@ -182,27 +252,6 @@ def _vocab_size(reader) -> int:
 # --------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str, spec: _Arch) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-    layer, part, kind = m.groups()
-    if kind == "bias" and not (spec.qkv_bias and part in ("attn_q", "attn_k", "attn_v")):
-        raise ValueError(f"unsupported GGUF bias tensor {gguf_name!r}")
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-
-
-def _expected_names(hp: dict) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(hp["n_layer"]):
-        names |= {f"model.layers.{i}.{v}.weight" for v in _BLOCK_NAMES.values()}
-        if hp["spec"].qkv_bias:
-            names |= {f"model.layers.{i}.self_attn.{x}_proj.bias" for x in "qkv"}
-    return names
-
-
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # Inverse of llama.cpp's convert_hf_to_gguf permute():
     #   w.reshape(n_head, 2, d, *rest).swapaxes(1, 2).reshape(shape)
@@ -210,22 +259,66 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _hf_tensors(gguf_name: str, w: np.ndarray, hp: dict):
+    """Yield ``(hf_name, array)`` for one GGUF tensor (several for stacked experts)."""
+    spec = hp["spec"]
+    if spec.norm_offset and gguf_name.endswith("norm.weight"):
+        w = w - np.float32(spec.norm_offset)
+    if gguf_name in _GLOBAL_NAMES:
+        yield _GLOBAL_NAMES[gguf_name], w
+        return
+    m = _ONE_EXPERT_RE.fullmatch(gguf_name)
+    if m and spec.experts and int(m.group(3)) < hp["n_expert"]:
+        layer, part, e = m.groups()
+        yield f"model.layers.{layer}.{spec.experts[part + '_exps'].format(e=int(e))}.weight", w
+        return
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    part = m and m.group(2)
+    if part not in spec.block and part not in spec.experts:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+    layer, _, kind = m.groups()
+    prefix = f"model.layers.{layer}."
+    if kind == "bias" and not (spec.qkv_bias and part in ("attn_q", "attn_k", "attn_v")):
+        raise ValueError(f"unsupported GGUF bias tensor {gguf_name!r}")
+    if part in spec.experts:
+        if w.shape[0] != hp["n_expert"]:
+            raise ValueError(f"{gguf_name} holds {w.shape[0]} experts, metadata says {hp['n_expert']}")
+        for e in range(w.shape[0]):  # stacked [E, out, in] -> one [out, in] per expert
+            yield prefix + spec.experts[part].format(e=e) + ".weight", w[e]
+        return
+    if spec.permute_qk and part == "attn_q":
+        w = _unpermute(w, hp["n_head"])
+    elif spec.permute_qk and part == "attn_k":
+        w = _unpermute(w, hp["n_head_kv"])
+    yield f"{prefix}{spec.block[part]}.{kind}", w
+
+
+def _expected_names(hp: dict) -> set[str]:
+    spec = hp["spec"]
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(hp["n_layer"]):
+        prefix = f"model.layers.{i}."
+        names |= {f"{prefix}{v}.weight" for v in spec.block.values()}
+        names |= {f"{prefix}{v.format(e=e)}.weight" for v in spec.experts.values() for e in range(hp["n_expert"])}
+        if spec.qkv_bias:
+            names |= {f"{prefix}self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
 def _convert_tensors(reader, hp: dict) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     out = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, hp["spec"])
+        if t.name in hp["spec"].config_tensors:
+            continue
         try:
             # dequantize returns numpy order (GGUF shapes are listed reversed).
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError as exc:
             raise ValueError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from exc
-        if hp["spec"].permute_qk and ".attn_q." in t.name:
-            w = _unpermute(w, hp["n_head"])
-        elif hp["spec"].permute_qk and ".attn_k." in t.name:
-            w = _unpermute(w, hp["n_head_kv"])
-        out[name] = np.ascontiguousarray(w)
+        for name, tensor in _hf_tensors(t.name, w, hp):
+            out[name] = np.ascontiguousarray(tensor)
     missing = _expected_names(hp) - out.keys()
     if missing:
         raise ValueError(f"GGUF is missing tensors, e.g. {sorted(missing)[:3]}")
@@ -250,7 +343,7 @@ def _special_ids(reader) -> dict:
 
 def _build_config(hp: dict, ids: dict, tied: bool) -> dict:
     spec = hp["spec"]
-    return {
+    cfg = {
         "architectures": [spec.hf_class],
         "model_type": spec.model_type,
         "vocab_size": hp["vocab"],
@@ -279,14 +372,149 @@ def _build_config(hp: dict, ids: dict, tied: bool) -> dict:
         "initializer_range": 0.02,
         "use_cache": True,
     }
+    family = _FAMILY_CONFIG.get(spec.model_type)
+    if family is not None:
+        family(cfg, hp)
+    return cfg
 
 
-def _generation_config(ids: dict) -> dict:
+def _qwen3_config(cfg: dict, hp: dict) -> None:
+    cfg.update(sliding_window=None, max_window_layers=hp["n_layer"])
+
+
+def _qwen3_moe_config(cfg: dict, hp: dict) -> None:
+    p = hp["meta"]
+    _qwen3_config(cfg, hp)
+    cfg.update(
+        # Published Qwen3-MoE configs say num_experts; transformers 5 renamed it num_local_experts.
+        num_experts=hp["n_expert"],
+        num_local_experts=hp["n_expert"],
+        num_experts_per_tok=int(p("expert_used_count")),
+        moe_intermediate_size=int(p("expert_feed_forward_length")),
+        # llama.cpp always renormalises the top-k router weights for qwen3moe.
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    )
+
+
+def _mixtral_config(cfg: dict, hp: dict) -> None:
+    p = hp["meta"]
+    cfg.update(
+        num_local_experts=hp["n_expert"],
+        num_experts_per_tok=int(p("expert_used_count")),
+        sliding_window=None,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        router_aux_loss_coef=0.02,
+    )
+
+
+# llama.cpp hard-codes Gemma 3's layout rather than storing it: every 6th layer is global (unless the
+# file carries attention.sliding_window_pattern), local layers use rope base 10000, and the 27B
+# (62 layers) scales queries by hidden/heads, the others by head_dim.
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
+
+
+def _gemma3_config(cfg: dict, hp: dict) -> None:
+    p = hp["meta"]
+    n = hp["n_layer"]
+    local_theta = _f32(p("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+    softcap = p("final_logit_softcapping", None)
+    full_rope = {"rope_type": "default", "rope_theta": hp["rope_theta"], **(hp["rope_scaling"] or {})}
+    pattern = p("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    sliding = _sliding_layers(pattern, n)
+    del cfg["hidden_act"]  # Gemma's key is hidden_activation
+    cfg.update(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=hp["hidden"] // hp["n_head"] if n == 62 else hp["head_dim"],
+        sliding_window=int(p("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_base_freq=local_theta,
+        rope_scaling=hp["rope_scaling"],
+        rope_parameters={"full_attention": full_rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        final_logit_softcapping=None if softcap is None else _f32(softcap),
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
+    if not isinstance(pattern, list):
+        cfg["sliding_window_pattern"] = int(pattern)  # the 4.x key published configs carry
+
+
+def _sliding_layers(pattern, n_layer: int) -> list[bool]:
+    # GGUF's sliding_window_pattern: an int n (every n-th layer global) or one bool per layer (true: sliding).
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
+        return [bool(x) for x in pattern]
+    return [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+
+
+def _phi3_config(cfg: dict, hp: dict) -> None:
+    p = hp["meta"]
+    head_dim = hp["hidden"] // hp["n_head"]  # Phi-3 derives it; GGUF has no key_length here
+    partial = int(p("rope.dimension_count", head_dim)) / head_dim
+    original_ctx = int(p("rope.scaling.original_context_length", hp["ctx"]))
+    window = int(p("attention.sliding_window", 0))  # llama.cpp writes 0 for "no window"
+    cfg.update(head_dim=head_dim, partial_rotary_factor=partial, original_max_position_embeddings=original_ctx,
+               sliding_window=window or None, resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg["rope_parameters"]["partial_rotary_factor"] = partial
+    factors = hp["config_tensors"]
+    if not factors:
+        return
+    if len(factors) != 2:
+        raise ValueError("GGUF phi3 has one of rope_factors_long/rope_factors_short but not both")
+    scaling = {"type": "longrope", "rope_type": "longrope",
+               "long_factor": factors["rope_factors_long.weight"],
+               "short_factor": factors["rope_factors_short.weight"]}
+    attn_factor = p("rope.scaling.attn_factor", None)
+    if attn_factor is not None and not math.isclose(attn_factor, _longrope_attention(hp["ctx"], original_ctx),
+                                                    rel_tol=1e-6):
+        scaling["attention_factor"] = _f32(attn_factor)  # only when it is not the one HF derives
+    cfg["rope_scaling"] = scaling
+    cfg["rope_parameters"] = {**scaling, "rope_theta": hp["rope_theta"], "partial_rotary_factor": partial,
+                              "original_max_position_embeddings": original_ctx}
+
+
+def _longrope_attention(ctx: int, original_ctx: int) -> float:
+    # The cos/sin scale HF (and llama.cpp's converter) derive for LongRoPE.
+    scale = ctx / original_ctx
+    return math.sqrt(1 + math.log(scale) / math.log(original_ctx)) if scale > 1.0 else 1.0
+
+
+_FAMILY_CONFIG: dict[str, Callable[[dict, dict], None]] = {
+    "qwen3": _qwen3_config,
+    "qwen3_moe": _qwen3_moe_config,
+    "mixtral": _mixtral_config,
+    "gemma3_text": _gemma3_config,
+    "phi3": _phi3_config,
+}
+
+
+def _generation_config(ids: dict, end_of_turn: int | None) -> dict:
+    eos = ids["eos"]
+    if end_of_turn is not None and end_of_turn != eos:
+        eos = [end_of_turn] if eos is None else [eos, end_of_turn]
     return {
         "bos_token_id": ids["bos"],
-        "eos_token_id": ids["eos"],
+        "eos_token_id": eos,
         "pad_token_id": ids["pad"],
     }
+
+
+# Chat turns of these families end with a token that is not the GGUF's eos; their published
+# generation_config.json lists both (llama.cpp stops on it by its text).
+_END_OF_TURN = {"gemma3_text": "<end_of_turn>", "phi3": "<|end|>"}
+
+
+def _end_of_turn_id(reader, spec: _Arch) -> int | None:
+    text = _END_OF_TURN.get(spec.model_type)
+    tokens = _field(reader, "tokenizer.ggml.tokens", None) if text else None
+    return tokens.index(text) if tokens and text in tokens else None
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -193,8 +193,25 @@ def test_unsupported_architecture_raises(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     _finish(w)
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'; supported: .*'qwen3moe'"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_experts_on_a_dense_family_are_refused(tmp_path):
+    path = tmp_path / "qwen3-experts.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_expert_count(4)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    _finish(w)
+    with pytest.raises(ValueError, match="'qwen3' with expert_count 4 is not supported"):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_converter_version_bumped_for_the_new_families():
+    assert gguf_convert.CONVERTER_VERSION >= 2  # cached v1 folders lack the new families' config keys
 
 
 def test_find_default_gguf_missing_wheel(monkeypatch):
