@@ -19,7 +19,7 @@ from conftest import TOKENIZER_FILES, assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
-from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.config import ModelConfig, gemma3_rope
 
 HEAD_DIM, NUM_KV_HEADS, WINDOW = 32, 2, 20
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -154,8 +154,9 @@ def test_a_published_gemma3_1b_config_reads_as_its_shape():
     1e4) to one global (1e6); no tie_word_embeddings key, yet tied."""
     raw = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
            "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
-           "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-           "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912,
+           "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+           "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+           "intermediate_size": 6912,
            "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
            "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
            "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
@@ -166,13 +167,11 @@ def test_a_published_gemma3_1b_config_reads_as_its_shape():
     assert (c.head_dim, c.num_heads, c.num_kv_heads, c.tie_word_embeddings) == (256, 4, 1, True)
     assert c.layer_windows == tuple(None if i % 6 == 5 else 512 for i in range(26))
     assert (c.rope_theta, c.rope_scaling, c.sliding_window, c.max_position_embeddings) == (1000000, None, None, 32768)
-    from paged_runtime.models.config import gemma3_rope
     assert gemma3_rope(raw) == {"full_attention": (1000000, None), "sliding_attention": (10000, None)}
 
 
 def test_gemma3_rope_reads_both_spellings_of_global_scaling():
     """The 4B+ text models scale global RoPE linearly by 8: 4.x keys, and transformers 5's per-kind dict."""
-    from paged_runtime.models.config import gemma3_rope
     old = {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
     new = {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
