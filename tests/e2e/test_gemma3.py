@@ -72,7 +72,14 @@ def workload() -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def run_and_compare(model_dir, hf, **engine_kwargs):
+@pytest.fixture(scope="module")
+def expected_tokens(tiny_gemma3_dir) -> list[list[int]]:
+    """transformers' greedy completions of the workload (computed once for the module's engine runs)."""
+    hf = load_hf(tiny_gemma3_dir)
+    return [hf_greedy(hf, prompt, m) for prompt, m in zip(*workload())]
+
+
+def run_and_compare(model_dir, expected_tokens, **engine_kwargs):
     prompts, max_tokens = workload()
     # 20 blocks of 16 tokens: far fewer than the batch needs at once (preemption by recompute);
     # a 48-token step budget: long prompts are prefilled in chunks beside running decodes.
@@ -85,8 +92,7 @@ def run_and_compare(model_dir, hf, **engine_kwargs):
     core = llm.engine.core
     assert core.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert core.kv_cache.num_hit_tokens > 0, "the shared prefix was meant to hit the cache"
-    for prompt, out, m, p in zip(prompts, outs, max_tokens, params):
-        expected = hf_greedy(hf, prompt, m)
+    for prompt, out, expected, p in zip(prompts, outs, expected_tokens, params):
         assert out.prompt_token_ids == prompt
         assert len(out.outputs) == p.n
         for completion in out.outputs:
@@ -95,10 +101,10 @@ def run_and_compare(model_dir, hf, **engine_kwargs):
     return llm
 
 
-def test_tiny_gemma3_matches_transformers(tiny_gemma3_dir):
+def test_tiny_gemma3_matches_transformers(tiny_gemma3_dir, expected_tokens):
     # PyTorch ops and attention on every machine (the oracle path; auto would pick the CPU kernels on an
     # AVX-512 CPU, Triton on a GPU): the kernel backends are tested below.
-    llm = run_and_compare(tiny_gemma3_dir, load_hf(tiny_gemma3_dir), device="cpu", cpu_kernels=False)
+    llm = run_and_compare(tiny_gemma3_dir, expected_tokens, device="cpu", cpu_kernels=False)
     model = llm.engine.core.runner.model
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # tied
@@ -106,16 +112,22 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma3_dir):
     assert model.layers[0].self_attn.attn.scale == 24 ** -0.5
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the CPU-kernel attention backend has no sliding window until issue 20 item 3 lands "
-                          "(its steps fail with NotImplementedError): remove this mark then")
+NO_WINDOW_KERNEL = pytest.mark.xfail(strict=True, raises=AssertionError,
+                                     reason="the CPU-kernel attention backend has no sliding window until issue 20 "
+                                            "item 3 lands (its steps fail with NotImplementedError): remove then")
+
+
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
-def test_tiny_gemma3_with_cpu_kernels_stays_off_the_one_op_llama_layer(tiny_gemma3_dir, monkeypatch):
+@pytest.mark.parametrize("attention", ["torch", pytest.param("cpu", marks=NO_WINDOW_KERNEL)])
+def test_tiny_gemma3_with_cpu_kernels_stays_off_the_one_op_llama_layer(tiny_gemma3_dir, expected_tokens, attention,
+                                                                       monkeypatch):
+    """The kernel op set: Gemma's norms and GeGLU fall back to PyTorch's, its linears and RoPE are kernels."""
     fused_calls = []
     decode_layer = cpu.cpu_decode_layer
     monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
-    llm = run_and_compare(tiny_gemma3_dir, load_hf(tiny_gemma3_dir), device="cpu", cpu_kernels=True)
-    assert llm.engine.core.ops.name == "cpu-kernels"
+    llm = run_and_compare(tiny_gemma3_dir, expected_tokens, device="cpu", cpu_kernels=True,
+                          attention_backend=attention)
+    assert (llm.engine.core.ops.name, llm.engine.core.attention_backend) == ("cpu-kernels", attention)
     assert fused_calls == []  # Gemma's layer is not Llama's: every decode step runs op by op
 
 
