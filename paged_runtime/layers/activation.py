@@ -1,4 +1,4 @@
-"""Gated activations over a fused [gate | up] row block."""
+"""Gated activations over a fused [gate | up] row block: SwiGLU (Llama) and GeGLU (Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -16,3 +16,14 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU, gelu(gate) * up with gelu's tanh approximation (Hugging Face's "gelu_pytorch_tanh"; Gemma)."""
+
+    def __init__(self, ops: TorchOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_mul(x)

@@ -1,4 +1,4 @@
-"""RMSNorm with the residual add fused in: ``norm(x, residual) -> (normed, residual + x)``."""
+"""RMSNorm (Llama's; Gemma's 1 + w) with the residual add fused in: ``norm(x, residual) -> (normed, residual + x)``."""
 from __future__ import annotations
 
 import torch
@@ -17,3 +17,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); with no residual, (norm(x), x)."""
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w - 1 (the norm scales by ``1 + weight``), applied in fp32."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.gemma_rms_norm(x, self.weight, self.eps, residual)

@@ -1,7 +1,8 @@
 """The arithmetic under the layers, as one op set chosen once per model (``select_ops``).
 
 - ``TorchOps``: plain PyTorch with Hugging Face's numerics step for step (RMSNorm in
-  fp32, rotate-half RoPE, SwiGLU); every device; the oracle for the other set.
+  fp32, rotate-half RoPE, SwiGLU; Gemma's (1 + w) RMSNorm and GeGLU); every device;
+  the oracle for the other set.
 - ``CpuKernelOps``: the ``paged_runtime::cpu_*`` ops (``kernels/cpu.py``). A decode
   step's few rows stream each weight matrix once; norm, RoPE and SwiGLU are one call
   each instead of a dozen small tensor ops; a decode-only step of at most
@@ -68,6 +69,23 @@ class TorchOps:
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    # Gemma's arithmetic. CpuKernelOps inherits these as they are (no kernel of its own for them).
+    @staticmethod
+    def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``rms_norm`` with Gemma's weight: times ``1 + weight``, in fp32, rounded once at the end (Llama
+        rounds before its multiply)."""
+        residual = x if residual is None else residual + x
+        h = residual.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (h * (1.0 + weight.float())).to(x.dtype), residual
+
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU: gelu(gate) (tanh approximation) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def fused_decoder_layer(self, meta) -> bool:
         """Whether this step runs each decoder layer as one op (``decoder_layer``); never on this set."""

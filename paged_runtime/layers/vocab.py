@@ -2,6 +2,7 @@
 
 Rank r holds rows ``[r * per_rank, (r + 1) * per_rank)`` of the (padded) vocabulary. The embedding
 zeroes the ids outside its rows and sums over the ranks; the LM head gathers every rank's logits.
+``ScaledEmbedding`` multiplies by a constant (Gemma's sqrt(hidden)); ``ParallelLMHead.softcap`` soft-caps logits.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                  device: torch.device, tp: TensorParallel = SINGLE) -> None:
         super().__init__(vocab_size, hidden_size, dtype, device, tp)
         self.method, self.bias, self.packed_weight = method, None, None
+        self.softcap: float | None = None  # c: logits -> c * tanh(logits / c), in the model dtype (Gemma)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -58,4 +60,20 @@ class ParallelLMHead(VocabParallelEmbedding):
             parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
             torch.distributed.all_gather(parts, logits, group=self.tp.group)
             logits = torch.cat(parts, dim=-1)
-        return logits[:, :self.vocab_size].float()
+        logits = logits[:, :self.vocab_size]
+        if self.softcap is not None:  # before the fp32 cast: Hugging Face rounds here in the model dtype
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+
+class ScaledEmbedding(VocabParallelEmbedding):
+    """Embeddings times ``scale``, rounded to the weight dtype first (as Hugging Face's Gemma: sqrt(1152) is
+    33.94 in fp32 but 34.0 in bfloat16)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(vocab_size, hidden_size, dtype, device, tp)
+        self.register_buffer("scale", torch.tensor(scale).to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.scale

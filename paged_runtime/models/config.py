@@ -1,11 +1,13 @@
 """The model's shape, read from a Hugging Face ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class ModelConfig:
                 raise ValueError("Qwen3ForCausalLM with use_sliding_window=true is not supported: attention here is "
                                  "full-context on every layer (set use_sliding_window to false in config.json)")
             sliding = None
-        return cls(
+        config = cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -87,3 +89,56 @@ class ModelConfig:
             eos_token_id=raw.get("eos_token_id"),
             raw=raw,
         )
+        if architecture == "Gemma3ForCausalLM":
+            config = dataclasses.replace(config, **gemma3_fields(raw))
+        return config
+
+
+# ---- Gemma 3 -----------------------------------------------------------------------------
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def gemma3_layer_types(raw: dict) -> list[str]:
+    """Each decoder layer's kind: ``layer_types``, or else the older ``sliding_window_pattern`` P (every P-th
+    layer full, the rest sliding; Hugging Face's default P is 6)."""
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= set(GEMMA3_LAYER_TYPES):
+        raise ValueError(f"Gemma3 layer_types must name each of the {n} layers one of {GEMMA3_LAYER_TYPES}, "
+                         f"got {types}")
+    return list(types)
+
+
+def gemma3_rope(raw: dict) -> dict[str, tuple[float, dict | None]]:
+    """Per layer kind, RoPE's (base, scaling): global layers ``rope_theta`` with ``rope_scaling``, local ones
+    ``rope_local_base_freq`` unscaled (transformers 4.x keys); transformers 5 keys ``rope_parameters`` by kind."""
+    params = raw.get("rope_parameters") or {}
+    if not set(params) & set(GEMMA3_LAYER_TYPES):
+        params = {"full_attention": {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1e6)},
+                  "sliding_attention": {"rope_theta": raw.get("rope_local_base_freq", 1e4)}}
+    rope = {}
+    for kind, default_base in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        p = params.get(kind) or {}
+        scaled = p.get("rope_type", p.get("type", "default")) != "default"
+        rope[kind] = (p.get("rope_theta", default_base), p if scaled else None)
+    return rope
+
+
+def gemma3_fields(raw: dict) -> dict:
+    """What Gemma 3 reads differently: windows per layer (``sliding_window`` is None, so that max_model_len is
+    not capped to the local layers' window), the global layers' RoPE, tied embeddings unless said otherwise."""
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("Gemma3ForCausalLM with use_bidirectional_attention=true (an embedding model) is not "
+                         "supported: attention here is causal")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma3ForCausalLM with hidden_activation {activation!r} is not supported "
+                         "(only gelu_pytorch_tanh)")
+    window = raw.get("sliding_window")
+    theta, scaling = gemma3_rope(raw)["full_attention"]
+    return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in gemma3_layer_types(raw)),
+                sliding_window=None, rope_theta=theta, rope_scaling=scaling,
+                tie_word_embeddings=raw.get("tie_word_embeddings", True))

@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.gemma3 import Gemma3ForCausalLM
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.models.qwen3 import Qwen3ForCausalLM
 from paged_runtime.layers.ops import TorchOps
@@ -20,7 +21,8 @@ from paged_runtime.utils.cpu import move_to_huge_pages
 
 # config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
+                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
+                 "Gemma3ForCausalLM": Gemma3ForCausalLM}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
