@@ -106,6 +106,22 @@ def test_bfloat16_experts_equal_transformers_bit_for_bit(family):
     assert torch.equal(layer(x[0], F.linear(x[0], gate)), want)
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_the_cpu_kernel_op_set_computes_the_same_experts(dtype):
+    """CpuKernelOps multiplies small expert groups with its own linear kernel and SwiGLU; same rounding points."""
+    from paged_runtime.config import default_cache_dir
+    from paged_runtime.kernels import cpu
+    from paged_runtime.layers.ops import CpuKernelOps
+    if not cpu.load(default_cache_dir()):
+        pytest.skip("no C compiler: the CPU kernels are off")
+    layer, _ = experts(dtype)
+    x, logits = randn(T, H, seed=100, dtype=dtype), randn(T, E, seed=101, dtype=dtype)
+    want = layer(x, logits)
+    layer.ops = CpuKernelOps(pack_budget=0)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == F32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer(x, logits), want, **tolerance)
+
+
 def test_tensor_parallel_shards_sum_to_the_whole_layer():
     whole, _ = experts()
     x, logits = randn(T, H, seed=100), randn(T, E, seed=101)
