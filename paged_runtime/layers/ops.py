@@ -99,9 +99,10 @@ class TorchOps:
 
     def grouped_linear(self, rows: torch.Tensor, stacked: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert (group e ends before row ``ends[e]``) times their expert's matrix
-        (``stacked[e]``, [N, K]). CUDA: one ``grouped_mm``, which reads the group sizes on the device (no host
-        sync, so CUDA graphs can capture it). Elsewhere: one ``linear`` per expert that has rows."""
-        if rows.device.type == "cuda" and hasattr(F, "grouped_mm"):
+        (``stacked[e]``, [N, K]). CUDA (compute capability 8.0+): one ``grouped_mm``, which reads the group sizes
+        on the device (no host sync, so CUDA graphs can capture it). Elsewhere: one ``linear`` per expert that
+        has rows (OLMoE-1B-7B's layer, 32 tokens, one CPU thread: 0.80 s bfloat16, against 1.25 s token by token)."""
+        if _grouped_mm_runs_on(rows.device):
             return F.grouped_mm(rows, stacked.transpose(1, 2), offs=ends.to(torch.int32))
         out = rows.new_empty(rows.shape[0], stacked.shape[1])
         start = 0
@@ -110,6 +111,11 @@ class TorchOps:
                 out[start:end] = self.linear(rows[start:end], stacked[expert])
             start = end
         return out
+
+
+def _grouped_mm_runs_on(device: torch.device) -> bool:
+    return (device.type == "cuda" and hasattr(F, "grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def split_heads(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int) -> list[torch.Tensor]:

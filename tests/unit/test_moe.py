@@ -122,6 +122,19 @@ def test_the_cpu_kernel_op_set_computes_the_same_experts(dtype):
     torch.testing.assert_close(layer(x, logits), want, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_the_cuda_grouped_mm_path_computes_the_same_experts(dtype, monkeypatch):
+    """CUDA's branch (one grouped_mm over device-side group ends), run on the CPU's grouped_mm kernel."""
+    from paged_runtime.layers import ops
+    if not hasattr(F, "grouped_mm"):
+        pytest.skip("this torch has no grouped_mm")
+    layer, _ = experts(dtype)
+    x, logits = randn(T, H, seed=100, dtype=dtype), randn(T, E, seed=101, dtype=dtype)
+    want = layer(x, logits)
+    monkeypatch.setattr(ops, "_grouped_mm_runs_on", lambda device: True)
+    assert torch.equal(layer(x, logits), want)
+
+
 def test_tensor_parallel_shards_sum_to_the_whole_layer():
     whole, _ = experts()
     x, logits = randn(T, H, seed=100), randn(T, E, seed=101)
