@@ -187,5 +187,38 @@ def test_a_checkpoint_missing_an_expert_is_refused(tiny_mixtral, tmp_path):
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"lacks weights for 1 parameters, e.g. \['layers.0.mlp.experts.w13_weight#2.w3"):
+    missing = r"lacks weights for 1 parameters, e.g. \['layers.0.mlp.experts.w13_weight#2.w3"
+    with pytest.raises(ValueError, match=missing):
         load_model(tmp_path, 64, F32, CPU)
+
+
+# config.json of published checkpoints (transformers 4.x keys), cut to 2 layers; built on the meta device.
+PUBLISHED = {
+    "Mixtral-8x7B": {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "rope_theta": 1e6, "sliding_window": None, "vocab_size": 32000},
+    "OLMoE-1B-7B": {"architectures": ["OlmoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 1024,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+                    "norm_topk_prob": False, "clip_qkv": None, "vocab_size": 50304},
+    "Qwen3-30B-A3B": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "head_dim": 128, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                      "sliding_window": None, "vocab_size": 151936},
+}
+
+
+@pytest.mark.parametrize("name, experts, w13, top_k, renormalize, fp32_weights", [
+    ("Mixtral-8x7B", 8, (8, 2 * 14336, 4096), 2, True, True),
+    ("OLMoE-1B-7B", 64, (64, 2 * 1024, 2048), 8, False, False),
+    ("Qwen3-30B-A3B", 128, (128, 2 * 768, 2048), 8, True, False),
+])
+def test_published_moe_configs_build_their_experts(name, experts, w13, top_k, renormalize, fp32_weights):
+    from paged_runtime.models.config import ModelConfig
+    from paged_runtime.models.loader import MODEL_CLASSES
+    c = ModelConfig.from_dict({**PUBLISHED[name], "num_hidden_layers": 2, "max_position_embeddings": 4096})
+    model = MODEL_CLASSES[c.architecture](c, 4096, torch.bfloat16, torch.device("meta"))
+    moe = model.layers[1].mlp.experts
+    assert (moe.num_experts, tuple(moe.w13_weight.shape), moe.top_k) == (experts, w13, top_k)
+    assert (moe.renormalize, moe.fp32_routing_weights, model.fusable) == (renormalize, fp32_weights, False)
+    assert c.sliding_window is None
