@@ -82,10 +82,14 @@ class FusedMoE(nn.Module):
                              f"(this rank's slice)")
         target.copy_(part)
 
+    @staticmethod
+    def param_name(shard_id: str) -> str:
+        """The parameter a checkpoint shard loads into."""
+        return "w2_weight" if shard_id == "w2" else "w13_weight"
+
     def checkpoint_shards(self) -> list[str]:
-        """What a complete checkpoint fills, as ``load_weight`` reports it: "param#expert.shard"."""
-        return [f"{'w2' if s == 'w2' else 'w13'}_weight#{e}.{s}"
-                for e in range(self.num_experts) for s in EXPERT_SHARDS]
+        """What a complete checkpoint fills, as the models' ``load_weight`` reports it: "param#expert.shard"."""
+        return [f"{self.param_name(s)}#{e}.{s}" for e in range(self.num_experts) for s in EXPERT_SHARDS]
 
 
 class SparseMoeBlock(nn.Module):

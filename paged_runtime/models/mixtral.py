@@ -84,12 +84,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
             experts = self.get_submodule(path)
         except AttributeError:
             return None  # e.g. a layer this model lacks
-        param = experts.w2_weight if shard_id == "w2" else experts.w13_weight
+        param_name = experts.param_name(shard_id)
         try:
-            experts.weight_loader(param, tensor, shard_id, expert)
+            experts.weight_loader(getattr(experts, param_name), tensor, shard_id, expert)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name}: {e}") from e
-        return f"{path}.{'w2' if shard_id == 'w2' else 'w13'}_weight#{expert}.{shard_id}"
+        return f"{path}.{param_name}#{expert}.{shard_id}"
 
     def _load_stacked(self, path: str, kind: str, tensor: torch.Tensor, name: str) -> list[str]:
         """[E, 2I, H] gate_up_proj (gate rows, then up rows) or [E, H, I] down_proj, one expert at a time."""
