@@ -101,7 +101,8 @@ class TorchOps:
         """Rows grouped by expert (group e ends before row ``ends[e]``) times their expert's matrix
         (``stacked[e]``, [N, K]). CUDA (compute capability 8.0+): one ``grouped_mm``, which reads the group sizes
         on the device (no host sync, so CUDA graphs can capture it). Elsewhere: one ``linear`` per expert that
-        has rows (OLMoE-1B-7B's layer, 32 tokens, one CPU thread: 0.80 s bfloat16, against 1.25 s token by token)."""
+        has rows (OLMoE-1B-7B's layer, 32 tokens, one thread of the 2-core development machine: 1.3-1.6x faster
+        than a loop over tokens; small-row GEMMs are far from the weight-streaming floor there)."""
         if _grouped_mm_runs_on(rows.device):
             return F.grouped_mm(rows, stacked.transpose(1, 2), offs=ends.to(torch.int32))
         out = rows.new_empty(rows.shape[0], stacked.shape[1])
