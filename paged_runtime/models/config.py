@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ModelConfig:
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         sliding = raw.get("sliding_window")
-        if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        if architecture in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM") and not raw.get("use_sliding_window", False):
             sliding = None
         if architecture == "Qwen3ForCausalLM":
             if raw.get("use_sliding_window", False):

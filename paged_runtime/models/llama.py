@@ -6,7 +6,7 @@ q/k/v and gate/up are fused into single matrices; logits are computed only for
 the rows that are sampled. The arithmetic is the op set's (``layers/ops.py``);
 where it offers one (the CPU kernels on a small decode step), each decoder layer
 runs as a single op. A family that adds steps subclasses these classes through
-their hooks (``project_qkv``, ``attention_class``, ``decoder_layer_class``,
+their hooks (``project_qkv``, ``attention_class``, ``make_mlp``, ``decoder_layer_class``,
 ``one_op_layer``), as ``models/qwen3.py`` does.
 """
 from __future__ import annotations
@@ -67,9 +67,14 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.ops = ops
         self.self_attn = self.attention_class(c, rotary, ops, method, dtype, device, tp, layer_index)
-        self.mlp = LlamaMLP(c, ops, method, dtype, device, tp)
+        self.mlp = self.make_mlp(c, ops, method, dtype, device, tp, layer_index)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
+
+    def make_mlp(self, c: ModelConfig, ops: TorchOps, method, dtype, device, tp: TensorParallel,
+                 layer_index: int) -> nn.Module:
+        """This layer's feed-forward block (a family may choose per layer, e.g. experts on some layers)."""
+        return LlamaMLP(c, ops, method, dtype, device, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope,
                 meta) -> tuple[torch.Tensor, torch.Tensor]:

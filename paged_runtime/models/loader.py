@@ -15,14 +15,19 @@ from safetensors import SafetensorError, safe_open
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.gemma3 import Gemma3ForCausalLM
 from paged_runtime.models.llama import LlamaForCausalLM
+from paged_runtime.models.mixtral import MixtralForCausalLM
+from paged_runtime.models.olmoe import OlmoeForCausalLM
 from paged_runtime.models.qwen3 import Qwen3ForCausalLM
+from paged_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.utils.cpu import move_to_huge_pages
 
 # config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
                  "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
-                 "Gemma3ForCausalLM": Gemma3ForCausalLM}
+                 "Gemma3ForCausalLM": Gemma3ForCausalLM,
+                 "MixtralForCausalLM": MixtralForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+                 "OlmoeForCausalLM": OlmoeForCausalLM}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
@@ -66,7 +71,8 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    loaded.add(model.load_weight(name, f.get_tensor(name)))
+                    filled = model.load_weight(name, f.get_tensor(name))  # one name, or a list (stacked experts)
+                    loaded.update(filled if isinstance(filled, list) else [filled])
         except SafetensorError as e:
             raise ValueError(f"corrupt safetensors file {file}: {e}") from e
     missing = model.expected_weights() - loaded
