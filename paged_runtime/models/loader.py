@@ -14,13 +14,15 @@ from safetensors import SafetensorError, safe_open
 
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.llama import LlamaForCausalLM
+from paged_runtime.models.phi3 import Phi3ForCausalLM
 from paged_runtime.models.qwen3 import Qwen3ForCausalLM
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.utils.cpu import move_to_huge_pages
 
 # config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
+                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
+                 "Phi3ForCausalLM": Phi3ForCausalLM}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
