@@ -7,15 +7,17 @@ transformers saves them:
   prompts longer than the window;
 - Phi-4-mini-like: ``partial_rotary_factor`` 0.75 and LongRoPE with distinct short and long factors,
   original length 64 of 256. Prompts longer than 64 are rotated long throughout; shorter ones short until
-  their generation passes position 64, then long (as transformers' per-call choice does). Long and short
-  prompts share a prefix, which must not be served from each other's cached blocks.
+  they grow past 64 tokens, where transformers' generate drops its cache and recomputes everything long
+  (the scheduler recomputes them too). Long and short prompts share a prefix, which must not be served
+  from each other's cached blocks.
 
 The engine runs with chunked prefill, shared prefixes (cache hits), a KV cache too small for the batch
 (preemption) and n > 1.
 """
 from __future__ import annotations
 
-import json
+import functools
+import math
 import random
 import shutil
 
@@ -33,6 +35,7 @@ BYTES_PER_BLOCK = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4 * 16  # K and V, 
 ORIGINAL_MAX = 64
 SHORT_FACTOR = [1.0, 1.3, 1.8, 2.5, 3.5, 5.0]  # rotary_dim 12 = 16 * 0.75: 6 frequencies
 LONG_FACTOR = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+ATTENTION_FACTOR = math.sqrt(1 + math.log(256 / ORIGINAL_MAX) / math.log(ORIGINAL_MAX))  # transformers' default
 
 
 def longrope(short, long) -> dict:
@@ -76,6 +79,7 @@ def longrope_dir(tmp_path_factory, smollm2_dir):
     return save_tiny_phi3(tmp_path_factory.mktemp("tiny-phi3-longrope"), smollm2_dir, config)
 
 
+@functools.cache
 def hf_model(folder):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -87,19 +91,26 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def workload() -> tuple[list[list[int]], list[int]]:
+def workload(which=range(9)) -> tuple[list[list[int]], list[int]]:
     """Prompts of 41, 49 (grows to 66: past 64), 70, 117 tokens sharing a 40-token prefix; 1, 3, 17, 64
-    (grows to 98) and 150 on their own."""
+    (grows to 98) and 150 on their own; ``which`` of them."""
     rng = random.Random(7)
     system = [rng.randrange(3, 49152) for _ in range(40)]
     prompts = [system + [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 9, 30, 77)]
     prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 3, 17, 64, 150)]
     max_tokens = [10 + (i * 7) % 25 for i in range(len(prompts))]
-    return prompts, max_tokens
+    return [prompts[i] for i in which], [max_tokens[i] for i in which]
 
 
-def run_and_compare(model_dir, hf, **engine_kwargs):
-    prompts, max_tokens = workload()
+@functools.cache
+def hf_expected(model_dir, i: int) -> list[int]:
+    """transformers' greedy tokens for prompt ``i`` of the workload (each computed once per module)."""
+    (prompt,), (max_tokens,) = workload([i])
+    return hf_greedy(hf_model(model_dir), prompt, max_tokens)
+
+
+def run_and_compare(model_dir, which=tuple(range(9)), **engine_kwargs):
+    prompts, max_tokens = workload(which)
     # 20 blocks of 16 tokens: far fewer than the batch needs at once (preemption by recompute);
     # a 48-token step budget: long prompts are prefilled in chunks beside running decodes.
     llm = make_llm(model_dir, max_model_len=256, max_num_batched_tokens=48, max_num_seqs=6,
@@ -111,18 +122,18 @@ def run_and_compare(model_dir, hf, **engine_kwargs):
     core = llm.engine.core
     assert core.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert core.kv_cache.num_hit_tokens > 0, "the shared prefix was meant to hit the cache"
-    expected = [hf_greedy(hf, prompt, m) for prompt, m in zip(prompts, max_tokens)]
+    expected = [hf_expected(model_dir, i) for i in which]
     for prompt, out, p, tokens in zip(prompts, outs, params, expected):
         assert out.prompt_token_ids == prompt
         assert len(out.outputs) == p.n
         for completion in out.outputs:
             assert completion.token_ids == tokens, f"prompt of {len(prompt)} tokens diverged"
     assert_idle(llm)
-    return llm, expected
+    return llm
 
 
 def test_tiny_phi3_with_a_sliding_window_matches_transformers(plain_dir):
-    llm, _ = run_and_compare(plain_dir, hf_model(plain_dir), attention_backend="torch")
+    llm = run_and_compare(plain_dir, (0, 2, 3, 5, 8), attention_backend="torch")  # prompts of 41 .. 150 tokens
     model = llm.engine.core.runner.model
     assert type(model).__name__ == "Phi3ForCausalLM"
     assert model.config.layer_windows == (48, 48) and not model.fusable
@@ -131,18 +142,24 @@ def test_tiny_phi3_with_a_sliding_window_matches_transformers(plain_dir):
 def test_tiny_phi3_with_partial_rotary_and_longrope_matches_transformers(longrope_dir):
     hf = hf_model(longrope_dir)
     assert hf.model.rotary_emb.inv_freq.shape == (6,)  # transformers rotates 12 of 16 dims too
-    llm, expected = run_and_compare(longrope_dir, hf)
+    llm = run_and_compare(longrope_dir, cpu_kernels=False, attention_backend="torch")
     model = llm.engine.core.runner.model
     assert model.rotary.rotary_dim == 12 and model.rotary.cos.shape == (2 * 256, 12)
-    # The factors matter: transformers with them swapped differs on a long prompt and on the short prompt
-    # that grows past the original length (after position 64 only).
+    assert llm.engine.core.scheduler.rope_switch == ORIGINAL_MAX
+    # The factors matter: transformers with them swapped differs on a long prompt; one that never switches
+    # (same attention factor) agrees on a short prompt until it grows past the original length, then differs.
+    from transformers import AutoModelForCausalLM
+    prompts, max_tokens = workload()
+    expected = [hf_expected(longrope_dir, i) for i in range(len(prompts))]
     swapped = phi3_config(max_position_embeddings=256, original_max_position_embeddings=ORIGINAL_MAX,
                           partial_rotary_factor=0.75, rope_scaling=longrope(LONG_FACTOR, SHORT_FACTOR))
-    from transformers import AutoModelForCausalLM
     other = AutoModelForCausalLM.from_pretrained(longrope_dir, config=swapped, dtype=torch.float32).eval()
-    prompts, max_tokens = workload()
-    for i in (2, 1):  # 70 tokens; 49 tokens growing to 66
-        assert hf_greedy(other, prompts[i], max_tokens[i]) != expected[i]
+    assert hf_greedy(other, prompts[2], max_tokens[2]) != expected[2]  # 70 tokens: long throughout
+    never = phi3_config(max_position_embeddings=256, original_max_position_embeddings=256, partial_rotary_factor=0.75,
+                        rope_scaling=longrope(SHORT_FACTOR, LONG_FACTOR) | {"attention_factor": ATTENTION_FACTOR})
+    other = AutoModelForCausalLM.from_pretrained(longrope_dir, config=never, dtype=torch.float32).eval()
+    grown = hf_greedy(other, prompts[1], max_tokens[1])  # 49 tokens growing to 66
+    assert grown[:ORIGINAL_MAX - 49] == expected[1][:ORIGINAL_MAX - 49] and grown != expected[1]
 
 
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
@@ -151,7 +168,7 @@ def test_tiny_phi3_longrope_with_cpu_kernels_rotates_partially_and_stays_off_the
     fused_calls = []
     decode_layer = cpu.cpu_decode_layer
     monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
-    llm, _ = run_and_compare(longrope_dir, hf_model(longrope_dir), device="cpu", cpu_kernels=True)
+    llm = run_and_compare(longrope_dir, (0, 1, 2, 7, 8), device="cpu", cpu_kernels=True)
     assert llm.engine.core.ops.name == "cpu-kernels"
     assert fused_calls == []
 
