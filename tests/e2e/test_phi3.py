@@ -173,6 +173,24 @@ def test_tiny_phi3_longrope_with_cpu_kernels_rotates_partially_and_stays_off_the
     assert fused_calls == []
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fused_checkpoint_tensors_load_into_each_tensor_parallel_ranks_shards(plain_dir, rank):
+    """qkv_proj's q, k and v rows and gate_up_proj's gate and up rows are each split over 2 ranks by heads."""
+    from safetensors.torch import load_file
+    from paged_runtime.layers.linear import TensorParallel
+    from paged_runtime.models.phi3 import Phi3ForCausalLM
+    model = Phi3ForCausalLM(ModelConfig.from_folder(plain_dir), 64, torch.float32, torch.device("cpu"),
+                            tp=TensorParallel(rank, 2))
+    (weights,) = plain_dir.glob("*.safetensors")
+    tensors = load_file(weights)
+    assert {model.load_weight(name, t) for name, t in tensors.items()} - {None} == model.expected_weights()
+    half = lambda t: t.chunk(2)[rank]
+    q, k, v = tensors["model.layers.1.self_attn.qkv_proj.weight"].split([64, 32, 32])  # 4 heads, 2 KV heads
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight, torch.cat([half(q), half(k), half(v)]))
+    gate, up = tensors["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+    assert torch.equal(model.layers[1].mlp.gate_up_proj.weight, torch.cat([half(gate), half(up)]))
+
+
 def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(plain_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     folder = tmp_path / "bad"
