@@ -243,3 +243,32 @@ def test_phi3_mini_4k_slides_every_layer_and_early_su_scaling_is_longrope():
     c = ModelConfig.from_dict(PHI35_MINI | {"rope_scaling": {"type": "su", "long_factor": [1.0] * 48,
                                                              "short_factor": [1.0] * 48}})
     assert c.rope_scaling["rope_type"] == "longrope"
+
+
+def test_a_request_growing_past_the_longrope_switch_is_recomputed_long_apart_from_short_blocks():
+    """Scheduler alone (switch 8, blocks of 4): a prompt over 8 tokens is salted long at once; a shorter one
+    is recomputed from scratch (not counted as a preemption) when it grows past 8, salted long, and may
+    then start from a long request's cached blocks of the same tokens."""
+    from paged_runtime.core.kv_cache_manager import KVCacheManager
+    from paged_runtime.core.scheduler import Scheduler
+    from paged_runtime.request import Request, RequestStatus
+    scheduler = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=100, rope_switch=8)
+    for request_id, n, arrival in (("short", 6, 0), ("long", 9, 1)):
+        scheduler.add_request(Request(request_id, list(range(10, 10 + n)), SamplingParams(max_tokens=20), arrival,
+                                      max_tokens=20))
+    short, long = scheduler.requests["short"], scheduler.requests["long"]
+    assert (short.cache_salt, long.cache_salt) == (None, "\0long rope")
+
+    def step() -> dict[str, int]:
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, [[7] if s.samples else [] for s in out.scheduled])
+        scheduler.check_invariants()
+        return {s.request_id: s.num_new_tokens for s in out.scheduled}
+
+    assert step() == {"short": 6, "long": 9}
+    assert step() == {"short": 1, "long": 1}  # short: 8 tokens now, still short
+    assert short.status == RequestStatus.RUNNING
+    assert step() == {"short": 1, "long": 1}  # short: 9 tokens: its KV must be rotated long
+    assert (short.status, short.num_computed_tokens, short.cache_salt) == (RequestStatus.WAITING, 0, "\0long rope")
+    assert step() == {"long": 1, "short": 9 - 4}  # its first block [10..13] is long's, cached
+    assert scheduler.num_preemptions == 0
