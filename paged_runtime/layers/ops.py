@@ -8,7 +8,8 @@
   ``max_rows()`` rows runs each Llama decoder layer as one op. It rounds to the model
   dtype at the same points as ``TorchOps``, so the sets differ in the order of fp32
   sums (and attention keeps its probabilities in fp32). Larger batches multiply with
-  oneDNN (mid-size ones over packed weights).
+  oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a
+  head) takes ``TorchOps``' RoPE: the kernel rotates whole heads.
 
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
