@@ -272,3 +272,15 @@ def test_a_request_growing_past_the_longrope_switch_is_recomputed_long_apart_fro
     assert (short.status, short.num_computed_tokens, short.cache_salt) == (RequestStatus.WAITING, 0, "\0long rope")
     assert step() == {"long": 1, "short": 9 - 4}  # its first block [10..13] is long's, cached
     assert scheduler.num_preemptions == 0
+
+
+def test_only_a_plain_phi3_may_run_the_one_op_llama_layer():
+    """Whole-head RoPE from one table and no window is the Llama layer exactly; anything else runs op by op."""
+    from paged_runtime.models.phi3 import Phi3ForCausalLM
+    tiny = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 256}
+    rope = {"rope_scaling": longrope([1.0] * 8, [2.0] * 8), "original_max_position_embeddings": 64}
+    for changes, fusable in (({}, True), ({"sliding_window": 32}, False), ({"partial_rotary_factor": 0.5}, False),
+                             (rope, False)):
+        model = Phi3ForCausalLM(ModelConfig.from_dict(tiny | changes), 64, torch.float32, torch.device("cpu"))
+        assert model.fusable == fusable, changes
