@@ -35,6 +35,11 @@ token, then forks into best_of sequences that share every block (the partial
 tail too, copy-on-write). Each sequence computes the last token itself and
 samples from there, so the prompt's KV is computed once.
 
+LongRoPE (``rope_switch``, Phi-3.5 / Phi-4-mini): the model rotates a request by one set of tables while
+it is at most ``rope_switch`` tokens long and by another, throughout, once it is longer (as transformers'
+generate). A request that grows past it is recomputed from scratch (like a preemption, uncounted), and a
+long request's blocks are hashed with their own salt: short and long KV of the same tokens never mix.
+
 Speculative decoding: a decoding request may also get slots for draft tokens
 (``num_spec``), verified after its last token in the same step; drafts never
 cost anyone a preemption. After the step, accepted drafts count as computed and
@@ -61,9 +66,16 @@ def _priority_key(request: Request) -> tuple[int, int]:
 SCHEDULING_POLICIES = {"fcfs": _fcfs_key, "priority": _priority_key}
 
 
+def _salt_long_rope(request: Request) -> None:
+    """Its blocks hash apart from a short-rotated request's with the same tokens (rehashed from scratch)."""
+    request.cache_salt = f"{request.cache_salt or ''}\0long rope"
+    request.block_hashes.clear()
+
+
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", speculator: Speculator | None = None, max_model_len: int | None = None) -> None:
+                 policy: str = "fcfs", speculator: Speculator | None = None, max_model_len: int | None = None,
+                 rope_switch: int | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
@@ -80,12 +92,15 @@ class Scheduler:
         self.speculator = speculator
         self.max_model_len = max_model_len  # None: no limit of its own (unit tests)
         self._failed: list[Request] = []  # finished with FINISHED_ERROR since the last take_failed
+        self.rope_switch = rope_switch  # the model's LongRoPE switch length (None: it has none)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.rope_switch is not None and request.num_tokens > self.rope_switch:
+            _salt_long_rope(request)
         bisect.insort(self.waiting, request, key=self._key)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -251,6 +266,8 @@ class Scheduler:
         limit = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        if self.rope_switch is not None and request.num_tokens <= self.rope_switch:
+            limit = min(limit, self.rope_switch - request.num_tokens)  # nothing sampled past the switch short
         return self.speculator.propose(request, limit)
 
     def fork_request(self, parent: Request, request_id: str) -> Request:
@@ -323,7 +340,22 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._release(request, status)
+            elif self._crossed_rope_switch(request, len(kept)):
+                self._recompute_long(request)
         return appended
+
+    def _crossed_rope_switch(self, request: Request, num_appended: int) -> bool:
+        switch = self.rope_switch
+        return switch is not None and request.num_tokens - num_appended <= switch < request.num_tokens
+
+    def _recompute_long(self, request: Request) -> None:
+        """``request`` just grew past ``rope_switch``: its KV, rotated short, is recomputed long from scratch."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        _salt_long_rope(request)
+        bisect.insort(self.waiting, request, key=self._key)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params

@@ -107,7 +107,8 @@ class EngineCore:
                                         self.dtype, budget, self.max_model_len, config.max_num_seqs)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len)
+                                   config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
+                                   rope_switch=model.rope_switch)
         num_slots = self.num_blocks * config.block_size
         drafter = DraftModelProposer(draft, allocate_kv_caches(draft, num_slots, self.dtype, self.device)) if draft else None
         graphs = None if config.enforce_eager or self.device.type != "cuda" else (config.max_num_seqs,

@@ -9,7 +9,8 @@
   ``max_rows()`` rows runs each Llama decoder layer as one op. It rounds to the model
   dtype at the same points as ``TorchOps``, so the sets differ in the order of fp32
   sums (and attention keeps its probabilities in fp32). Larger batches multiply with
-  oneDNN (mid-size ones over packed weights).
+  oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a
+  head) takes ``TorchOps``' RoPE: the kernel rotates whole heads.
 
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
@@ -60,7 +61,8 @@ class TorchOps:
 
     @staticmethod
     def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
-        """Split a fused qkv into [T, heads, head_dim] q, k, v with q and k rotated."""
+        """Split a fused qkv into [T, heads, head_dim] q, k, v with q and k rotated (their first
+        cos.shape[-1] dims: partial rotary passes the rest through)."""
         cos, sin = rope_inputs
         q, k, v = split_heads(qkv, sizes, head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -148,7 +150,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """Rotate-half RoPE over x's first cos.shape[-1] dims (all of them unless the rotary is partial)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :dim]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., dim:]), dim=-1)
 
 
 PACKED_MAX_ROWS = 192  # measured crossover with plain-weight GEMM: ~256 rows (SmolLM2's shapes)
@@ -200,6 +207,9 @@ class CpuKernelOps(TorchOps):
 
     @staticmethod
     def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
+        positions, cos, sin = rope_inputs
+        if cos.shape[-1] != head_dim:  # partial rotary: the kernel rotates whole heads
+            return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
         q_size, kv_size, _ = sizes
         qkv = qkv.contiguous()
         # q's heads and k's heads are adjacent in each row: one in-place pass rotates both.

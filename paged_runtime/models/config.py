@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+                           "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                           "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    # Non-default RoPE parameters as Hugging Face's rope_parameters (rope_type, its factors, and
+    # partial_rotary_factor); None: plain RoPE over whole heads.
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -68,6 +71,11 @@ class ModelConfig:
                 raise ValueError("Qwen3ForCausalLM with use_sliding_window=true is not supported: attention here is "
                                  "full-context on every layer (set use_sliding_window to false in config.json)")
             sliding = None
+        max_len = raw.get("max_position_embeddings", 2048)
+        scaling = _rope_scaling(raw, scaling, architecture, max_len)
+        windows = ()
+        if architecture == "Phi3ForCausalLM":
+            windows, sliding = _phi3_windows(raw, max_len), None
         config = cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -80,13 +88,14 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_len,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", architecture == "Qwen2ForCausalLM"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=sliding,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            layer_windows=windows,
             raw=raw,
         )
         if architecture == "Gemma3ForCausalLM":
@@ -142,3 +151,34 @@ def gemma3_fields(raw: dict) -> dict:
     return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in gemma3_layer_types(raw)),
                 sliding_window=None, rope_theta=theta, rope_scaling=scaling,
                 tie_word_embeddings=raw.get("tie_word_embeddings", True))
+
+
+def _rope_scaling(raw: dict, scaling: dict | None, architecture: str, max_len: int) -> dict | None:
+    """``scaling`` completed as transformers completes it: partial_rotary_factor (kept only when < 1) and, for
+    LongRoPE, the original length (a top-level key wins; Phi3Config's default is 4096) and ``factor``."""
+    scaling = dict(scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if architecture == "Phi3ForCausalLM" and kind in ("su", "yarn"):
+        kind = "longrope"  # Phi3Config's names for it in early checkpoints
+    rope = raw.get("rope_parameters") or {}
+    partial = scaling.get("partial_rotary_factor", rope.get("partial_rotary_factor",
+                                                                raw.get("partial_rotary_factor", 1.0)))
+    if kind == "default" and partial == 1.0:
+        return None
+    if partial != 1.0:
+        scaling["partial_rotary_factor"] = partial
+    if kind == "longrope":
+        scaling["rope_type"] = kind
+        original = raw.get("original_max_position_embeddings") or (
+            4096 if architecture == "Phi3ForCausalLM" else scaling.get("original_max_position_embeddings", max_len))
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_len / original
+    return scaling
+
+
+def _phi3_windows(raw: dict, max_len: int) -> tuple[int | None, ...]:
+    """transformers applies Phi-3's ``sliding_window`` on every layer (a sliding-window causal mask); one at
+    least max_position_embeddings long (Phi-3.5 and Phi-4-mini: 262144) masks nothing."""
+    window = raw.get("sliding_window")
+    return (window,) * raw["num_hidden_layers"] if window and window < max_len else ()

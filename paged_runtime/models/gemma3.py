@@ -89,6 +89,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Builds its own modules (none of Llama's constructor applies); inherits Llama's weight loading."""
     one_op_layer = False  # ops.decoder_layer is Llama's layer
+    rope_switch = None  # no LongRoPE: each layer kind rotates every request by one table
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
                  ops: TorchOps | None = None, tp: TensorParallel = SINGLE) -> None:

@@ -11,6 +11,7 @@ their hooks (``project_qkv``, ``attention_class``, ``make_mlp``, ``decoder_layer
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -117,11 +118,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
-        # Only unquantized weights fit the one-op layer (ops.decoder_layer).
-        self.fusable = self.one_op_layer and type(method) is UnquantizedLinearMethod
+        # Only unquantized weights and a plain rotary (whole heads, one table) fit the one-op layer.
+        self.fusable = self.one_op_layer and self.rotary.one_table and type(method) is UnquantizedLinearMethod
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden])."""
+        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]). ``positions`` pick the
+        rotary's rows (``rope_position_offset``); attention reads true positions from ``meta``."""
         x = self.embed_tokens(input_ids)
         if self.fusable and self.ops.fused_decoder_layer(meta):
             residual = torch.zeros_like(x)
@@ -132,6 +134,17 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x, residual = layer(x, residual, rope, meta)
         return self.norm(x, residual)[0]
+
+    @property
+    def rope_switch(self) -> int | None:
+        """LongRoPE: a request longer than this many tokens is rotated by other tables throughout, so its KV is
+        recomputed when it grows past it (the scheduler's ``rope_switch``); None for one rotation for all."""
+        return self.rotary.switch
+
+    def rope_position_offset(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Per request, by its length so far, what the runner adds to its tokens' positions to make the
+        ``positions`` this model takes (rows of the rotary's tables): 0 unless LongRoPE's long half."""
+        return self.rotary.position_offset(num_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the given rows."""

@@ -17,6 +17,7 @@ from paged_runtime.models.gemma3 import Gemma3ForCausalLM
 from paged_runtime.models.llama import LlamaForCausalLM
 from paged_runtime.models.mixtral import MixtralForCausalLM
 from paged_runtime.models.olmoe import OlmoeForCausalLM
+from paged_runtime.models.phi3 import Phi3ForCausalLM
 from paged_runtime.models.qwen3 import Qwen3ForCausalLM
 from paged_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from paged_runtime.layers.ops import TorchOps
@@ -27,7 +28,8 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": Lla
                  "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
                  "Gemma3ForCausalLM": Gemma3ForCausalLM,
                  "MixtralForCausalLM": MixtralForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-                 "OlmoeForCausalLM": OlmoeForCausalLM}
+                 "OlmoeForCausalLM": OlmoeForCausalLM,
+                 "Phi3ForCausalLM": Phi3ForCausalLM}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:

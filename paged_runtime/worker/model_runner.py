@@ -141,9 +141,18 @@ class ModelRunner:
         batch = build_batch(items, self.states.block_tables, self.block_size)
         meta = self.build_metadata(batch, self.device)
         to = lambda a: torch.from_numpy(a).to(self.device)
-        input_ids, positions = to(batch.token_ids), to(batch.positions)
+        input_ids, positions = to(batch.token_ids), to(self._rope_positions(model, items, batch))
         hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None and model is self.model else None
         return model(input_ids, positions, meta) if hidden is None else hidden
+
+    def _rope_positions(self, model, items: list[BatchItem], batch) -> np.ndarray:
+        """The positions ``model`` takes (rows of its rotary tables): the tokens' own, shifted per request by
+        ``model.rope_position_offset`` of its length so far (LongRoPE's long half; other models: no shift)."""
+        if model.rope_switch is None:
+            return batch.positions
+        lengths = {state.row: len(state.token_ids) for state in self.states.requests.values()}
+        offsets = model.rope_position_offset(np.array([lengths[s.table_row] for s in items], np.int64))
+        return batch.positions + offsets[batch.row_owner]
 
     def _run(self, items: list[StepItem]) -> tuple[torch.Tensor, np.ndarray]:
         """The target's hidden states for the step, and each item's end row in them."""

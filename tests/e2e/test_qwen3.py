@@ -131,7 +131,8 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_list(tiny_qwe
         make_llm(folder, max_model_len=128)
     assert str(info.value) == ("unsupported architecture 'GPT2LMHeadModel'; supported: "
                                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                               "Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM")
+                               "Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
+                               "Phi3ForCausalLM")
 
 
 def test_a_published_qwen3_config_reads_as_its_shape():
