@@ -376,22 +376,26 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_runtime_serves_q8_0_qwen3_gguf_like_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", sorted(FAMILIES), ids=lambda arch: "mixtral" if arch == "llama" else arch)
+def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch):
     """LLM(model="x.gguf") converts on first use and serves greedy tokens identical to transformers on the
-    converted folder, with chunked prefill, a shared prefix (cache hits), preemption and n = 2.  Q8_0, as
-    published GGUFs are quantised (F32 files differ only in the bytes dequantised)."""
+    converted folder, with chunked prefill, a shared prefix (cache hits), preemption and n = 2, for every
+    family.  Q8_0, as published GGUFs are quantised (F32 files differ only in the bytes dequantised)."""
     from conftest import assert_idle, make_llm
     from paged_runtime import SamplingParams
 
-    model = _build("qwen3")
+    model = _build(arch)
     model.save_pretrained(tmp_path / "hf")
-    path = tmp_path / "tiny-qwen3.gguf"
-    write_gguf(tmp_path / "hf", "qwen3", path, gguf.GGMLQuantizationType.Q8_0)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(tmp_path / "hf", arch, path, gguf.GGMLQuantizationType.Q8_0)
     monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
-    # 2 layers x 2 kv heads x 32 dims, K and V, fp32, 16 tokens a block; 10 blocks is too few for the batch.
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    block_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4 * 16  # K and V, fp32, 16 tokens
+    # 10 blocks is too few for the batch: requests are preempted and recomputed.
     llm = make_llm(path, max_model_len=160, max_num_batched_tokens=24, max_num_seqs=4,
-                   kv_cache_memory=10 * 2 * 2 * 2 * 32 * 4 * 16, block_size=16)
-    assert type(llm.engine.core.runner.model).__name__ == "Qwen3ForCausalLM"
+                   kv_cache_memory=10 * block_bytes, block_size=16)
+    assert type(llm.engine.core.runner.model).__name__ == type(model).__name__
     (converted,) = (tmp_path / "cache").iterdir()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     rng = np.random.default_rng(3)
