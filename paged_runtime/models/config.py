@@ -6,6 +6,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Families whose ``sliding_window`` applies to every layer (Hugging Face ignores their ``layer_types``).
+EVERY_LAYER_SLIDES = ("MistralForCausalLM", "MixtralForCausalLM")
+
+
+def layer_windows(architecture: str, raw: dict, sliding: int | None) -> tuple[int | None, ...]:
+    """Each decoder layer's sliding window as Hugging Face applies it (empty: no layer slides).
+
+    Mistral-style: every layer slides. Otherwise ``layer_types`` says which layers do ("sliding_attention");
+    without it, Qwen2 slides layers i >= ``max_window_layers`` (its config's default ``layer_types``)."""
+    if not sliding or architecture == "LlamaForCausalLM":  # Hugging Face's Llama attends to everything
+        return ()
+    num_layers = raw["num_hidden_layers"]
+    if architecture in EVERY_LAYER_SLIDES:
+        return (sliding,) * num_layers
+    types = raw.get("layer_types")
+    if types is None and architecture == "Qwen2ForCausalLM":
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not types or "sliding_attention" not in types:
+        return ()
+    return tuple(sliding if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,7 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", architecture == "Qwen2ForCausalLM"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=sliding,
+            layer_windows=layer_windows(architecture, raw, sliding),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             raw=raw,
