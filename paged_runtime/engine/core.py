@@ -105,7 +105,8 @@ class EngineCore:
         budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
         self.num_blocks = num_kv_blocks([model_config] + ([draft.config] if draft else []), config.block_size,
                                         self.dtype, budget, self.max_model_len, config.max_num_seqs)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                       kv_sliding_window(model_config, draft.config if draft else None))
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len)
         num_slots = self.num_blocks * config.block_size
@@ -215,11 +216,25 @@ class EngineCore:
                 self.spec_stats.record(item.num_spec, len(tokens) - 1)
 
 
+def kv_sliding_window(model_config: ModelConfig, draft_config: ModelConfig | None) -> int | None:
+    """The window the KV manager may release blocks behind: every layer's (the largest), when every layer
+    slides; None, keeping every block, when any layer attends to the whole context (Gemma 3's global layers)
+    or a draft model shares the tables (its catch-up queries start before the step's first position)."""
+    windows = model_config.layer_windows
+    if not windows:
+        return None
+    if None in windows:
+        logger.info("%d of %d layers slide, the others read the whole context: the KV cache keeps every block",
+                    len(windows) - windows.count(None), len(windows))
+        return None
+    if draft_config is not None:
+        logger.info("a draft model shares the block tables: the KV cache keeps blocks outside the sliding window")
+        return None
+    return max(windows)
+
+
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        # Attention here is full-context; beyond the window the model would differ from its reference.
-        limit = min(limit, model_config.sliding_window)
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
