@@ -59,6 +59,15 @@ def hash_block(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes() + salt).digest()
 
 
+def blocks_needed(num_tokens: int, block_size: int, sliding_window: int | None, max_chunk: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens holds at once, computed ``max_chunk`` tokens a step
+    at most: all of them; with a window, at most the window's and a chunk's, plus one partly read block."""
+    num_blocks = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return num_blocks
+    return min(num_blocks, cdiv(sliding_window - 1 + max_chunk, block_size) + 1)
+
+
 @dataclass(slots=True, frozen=True)
 class ComputedBlocks:
     """Prefix-cache hits for a request that has no table yet. Opaque to the scheduler, which only
@@ -159,12 +168,8 @@ class KVCacheManager:
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def num_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks a request of ``num_tokens`` tokens holds at once, computed ``max_chunk`` tokens a
-        step at most: all of them, or with a window the window's and the chunk's (plus one partial block)."""
-        num_blocks = cdiv(num_tokens, self.block_size)
-        if self.sliding_window is None:
-            return num_blocks
-        return min(num_blocks, cdiv(self.sliding_window - 1 + max_chunk, self.block_size) + 1)
+        """The most blocks a request of ``num_tokens`` tokens holds at once here (``blocks_needed``)."""
+        return blocks_needed(num_tokens, self.block_size, self.sliding_window, max_chunk)
 
     def _releasable(self, request: Request) -> list[KVBlock]:
         """Blocks of ``request``'s table now wholly before its window and not yet released."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_runtime.config import EngineConfig, resolve_dtype
-from paged_runtime.core.kv_cache_manager import KVCacheManager
+from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.models.loader import load_model, resolve_model_path
@@ -103,10 +103,12 @@ class EngineCore:
         spec = config.speculative_config
         draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None
         budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
+        window = kv_sliding_window(model_config, draft.config if draft else None)
+        per_request = None if window is None else blocks_needed(self.max_model_len, config.block_size, window,
+                                                                self.max_num_batched_tokens)
         self.num_blocks = num_kv_blocks([model_config] + ([draft.config] if draft else []), config.block_size,
-                                        self.dtype, budget, self.max_model_len, config.max_num_seqs)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                       kv_sliding_window(model_config, draft.config if draft else None))
+                                        self.dtype, budget, self.max_model_len, config.max_num_seqs, per_request)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len)
         num_slots = self.num_blocks * config.block_size
