@@ -390,3 +390,17 @@ def test_speculative_rollback_never_reaches_a_released_block():
     a.num_computed_tokens = 64  # every draft rejected: back to the step's start + 1
     kv.check_invariants([a])
     assert kv.num_holes["a"] == (63 - WINDOW + 1) // WBS == 2
+
+
+def test_the_engine_gives_the_kv_manager_a_window_only_when_every_layer_slides():
+    from paged_runtime.engine.core import kv_sliding_window
+    from paged_runtime.models.config import ModelConfig
+    shape = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2)
+    mistral = ModelConfig.from_dict(dict(shape, architectures=["MistralForCausalLM"], sliding_window=24))
+    qwen2 = ModelConfig.from_dict(dict(shape, architectures=["Qwen2ForCausalLM"], sliding_window=24,
+                                       use_sliding_window=True, max_window_layers=2))
+    plain_qwen2 = ModelConfig.from_dict(dict(shape, architectures=["Qwen2ForCausalLM"], sliding_window=24))
+    assert mistral.layer_windows == (24,) * 4 and kv_sliding_window(mistral, None) == 24
+    assert qwen2.layer_windows == (None, None, 24, 24) and kv_sliding_window(qwen2, None) is None
+    assert plain_qwen2.layer_windows == () and kv_sliding_window(plain_qwen2, None) is None
+    assert kv_sliding_window(mistral, mistral) is None  # a draft model's catch-up reads before the step
