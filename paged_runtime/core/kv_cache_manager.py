@@ -2,8 +2,9 @@
 
 A request's block table is append-only while it runs (copy-on-write may swap
 its tail block for a private copy; a sliding window turns its oldest blocks into
-holes, see below) and is released whole (tail first) when it finishes or is preempted. ``allocate_slots`` is the only
-way a table grows: it either reserves every slot asked for or nothing.
+holes, see below) and is released whole (tail first) when it finishes or is
+preempted. ``allocate_slots`` is the only way a table grows: it either reserves
+every slot asked for or nothing.
 
 Prefix caching: once a block is full and its KV written, it is hashed with
 ``H(parent hash, its token ids, cache salt)`` and becomes findable. A new
@@ -144,7 +145,7 @@ class KVCacheManager:
             return
         self._hash_full_blocks(request)
         for block, block_hash in zip(table[first:num_full], request.block_hashes[first:num_full]):
-            if block is not None:  # a hole: released before it was offered (after a cache reset, say)
+            if block is not None:  # a hole has no KV left to offer
                 self.pool.cache(block, block_hash)  # never offered before: past this table's hashed count
         self.num_hashed_blocks[request.request_id] = num_full
 

@@ -360,9 +360,10 @@ static inline SlotWalk walk_from(const Paged *P, const int64_t *table, int64_t f
 static inline float cap(const Paged *P, float s) { return P->softcap > 0.f ? P->softcap * tanhf(s / P->softcap) : s; }
 
 /* Query head h of row b (q at q + b * q_stride + h * dim) over the row's first context_lens[b] cached
- * tokens (its own already stored), or only the last P->window of them; token t lives in slot block_tables[b, t / block_size] * block_size +
- * t % block_size. Exact softmax in fp32; scratch holds context_lens[b] + 2 * dim floats. The result,
- * rounded to dt, goes to out (dt, [B, heads, dim]) and/or xf (fp32, same layout). */
+ * tokens (its own already stored), or only the last P->window of them; token t lives in slot
+ * block_tables[b, t / block_size] * block_size + t % block_size. Exact softmax in fp32; scratch holds
+ * context_lens[b] + 2 * dim floats. The result, rounded to dt, goes to out (dt, [B, heads, dim]) and/or xf
+ * (fp32, same layout). */
 static void attend_head(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
                         int64_t h, float *scratch, void *out, float *xf, int dt) {
     int64_t first = first_key(P, b), len = P->context_lens[b] - first, dim = P->dim, g = h / (P->heads / P->kv_heads);

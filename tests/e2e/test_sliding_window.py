@@ -92,8 +92,9 @@ def test_transformers_applies_the_window(tiny_mistral_dir, expected):
 
 def run_and_compare(model_dir, expected, **engine_kwargs):
     prompts, max_tokens = workload()
-    # 10 blocks of 16 tokens (160 slots for 320-token requests), fewer than the batch needs at once (preemption by recompute); a 48-token step
-    # budget: long prompts are prefilled in chunks beside running decodes.
+    # 10 blocks of 16 tokens (160 slots for 320-token requests: the window makes them enough), fewer than the
+    # batch needs at once (preemption by recompute); a 48-token step budget: long prompts are prefilled in
+    # chunks beside running decodes.
     llm = make_llm(model_dir, max_model_len=320, max_num_batched_tokens=48, max_num_seqs=16,
                    kv_cache_memory=10 * BYTES_PER_BLOCK, block_size=BLOCK, **engine_kwargs)
     core = llm.engine.core
