@@ -4,7 +4,9 @@ One-token query rows (decodes, and each verification's last token and drafts) ar
 attended by ``paged_runtime::cpu_paged_decode_attention`` straight from the paged
 cache, each row over its own causal context (the kernel's store happens before any
 row attends, so a verification row sees the rows before it): no gather, no padding,
-so one group holds them all. Prompt chunks run as in the torch backend.
+so one group holds them all. A sliding-window layer's rows read only their last W
+tokens (the kernel starts at the window's block: O(W) per row), a soft-capped
+layer's scores are capped in the kernel. Prompt chunks run as in the torch backend.
 
 A step of rows only (no prompt chunk) is ``rows_only``: the CPU op set may then run
 each decoder layer as one op, which reads ``decode_rows``, ``positions`` and
@@ -35,9 +37,8 @@ class DecodeRows:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:
-            raise NotImplementedError("sliding window / soft cap in the CPU decode kernel")  # issue 20, in progress
-        return cpu_kernels.cpu_paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens, self.block_size, scale)
+        return cpu_kernels.cpu_paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens,
+                                                      self.block_size, scale, window or 0, softcap or 0.)
 
 
 @dataclass(slots=True)

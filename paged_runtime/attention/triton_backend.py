@@ -2,8 +2,9 @@
 
 Same call as the torch backend (``paged_attention(q, k, v, kv_cache, meta, scale)``),
 its own metadata. A step's flat batch (``paged_runtime.batch``) is B varlen causal
-queries: item i's tokens attend to its whole context 0 .. their positions through
-its block table. Decodes,
+queries: item i's tokens attend to their context 0 .. their positions through
+its block table (a sliding-window layer: only the last W of them, the kernel skipping the
+blocks before; a soft-capped layer: capped scores). Decodes,
 prompt chunks (after earlier chunks or prefix-cache hits) and speculative verification
 (the last token plus its drafts) are all that one case, in any order, in one launch.
 Cache layout and kernel contract: ``paged_runtime/kernels/attention.py``.
@@ -37,19 +38,22 @@ class TritonAttentionMetadata:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:
-            raise NotImplementedError("sliding window / soft cap in the Triton kernel")  # issue 20, in progress
-        return paged_attention(q, k, v, kv_cache, self, scale)
+        return paged_attention(q, k, v, kv_cache, self, scale, window, softcap)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]."""
+                    meta: TritonAttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]; each query over its
+    last ``window`` positions (None: all), scores soft-capped at ``softcap`` (None: not)."""
     triton_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
+    # A window shortens what each query reads: split by the keys actually read.
+    span = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
     splits = meta.num_kv_splits or triton_ops.num_kv_splits(
-        meta.seq_lens.shape[0], kv_cache.shape[2], meta.max_query_len, meta.max_seq_len)
+        meta.seq_lens.shape[0], kv_cache.shape[2], meta.max_query_len, span)
     return triton_ops.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                      meta.block_size, meta.max_query_len, scale, splits)
+                                      meta.block_size, meta.max_query_len, scale, splits, window or 0,
+                                      softcap or 0.)
 
 
 def build_metadata(batch: StepBatch, device: torch.device) -> TritonAttentionMetadata:

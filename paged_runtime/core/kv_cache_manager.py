@@ -1,9 +1,10 @@
 """Per-request block tables on top of the block pool: prefix caching and copy-on-write.
 
 A request's block table is append-only while it runs (copy-on-write may swap
-its tail block for a private copy) and is released whole (tail first) when it
-finishes or is preempted. ``allocate_slots`` is the only
-way a table grows: it either reserves every slot asked for or nothing.
+its tail block for a private copy; a sliding window turns its oldest blocks into
+holes, see below) and is released whole (tail first) when it finishes or is
+preempted. ``allocate_slots`` is the only way a table grows: it either reserves
+every slot asked for or nothing.
 
 Prefix caching: once a block is full and its KV written, it is hashed with
 ``H(parent hash, its token ids, cache salt)`` and becomes findable. A new
@@ -14,6 +15,20 @@ Copy-on-write: ``fork`` shares every block of a table, the partial tail
 included, by reference count. A shared block is never written: before a
 request appends into a shared partial tail, ``allocate_slots`` gives it a
 private copy and records ``(src, dst)`` for the runner to copy first.
+
+Sliding window (``sliding_window`` W, given only when EVERY attention layer slides, as
+Mistral's do): the next query at position p = num_computed reads keys p - W + 1 .. p only, and
+later queries read later keys, so a block wholly before p - W + 1 is never read again by the
+request. ``allocate_slots`` releases such blocks first (from the step's computed count: a
+speculative rollback never goes below it) and leaves a hole in their place, so positions keep
+their table index: ``None`` in the block table, ``HOLE_BLOCK_ID`` in the runner's ids (a real
+slot range: the torch backend's full-context gather reads finite values there and masks them,
+the kernels never read it). Holes are always a prefix of the table. A released block keeps its
+hash in the free queue like any freed block, so it stays a valid prefix-cache hit until handed
+out again; the lookup walks the chain from the start and stops at the first miss, so a hit
+never includes a block whose KV is gone. Admission takes only the hits inside the window.
+A model with full-context layers too (Gemma 3's global layers) passes no window: every block
+is kept, as without one.
 
 The scheduler never sees a block: ``get_computed_blocks`` gives it an opaque
 ``ComputedBlocks`` (handed back to ``allocate_slots``) and a token count, and
@@ -45,6 +60,15 @@ def hash_block(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes() + salt).digest()
 
 
+def blocks_needed(num_tokens: int, block_size: int, sliding_window: int | None, max_chunk: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens holds at once, computed ``max_chunk`` tokens a step
+    at most: all of them; with a window, at most the window's and a chunk's, plus one partly read block."""
+    num_blocks = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return num_blocks
+    return min(num_blocks, cdiv(sliding_window - 1 + max_chunk, block_size) + 1)
+
+
 @dataclass(slots=True, frozen=True)
 class ComputedBlocks:
     """Prefix-cache hits for a request that has no table yet. Opaque to the scheduler, which only
@@ -54,14 +78,24 @@ class ComputedBlocks:
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks()
+# What the runner's id table holds where a released block was: any real block does (never written through
+# a hole; read only by the torch backend's gather, which masks it).
+HOLE_BLOCK_ID = 0
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: every attention layer's window (the largest, if they differ): blocks wholly
+        before the next query's window are released. None (any full-context layer): every block is kept."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
-        self.tables: dict[str, list[KVBlock]] = {}
+        self.tables: dict[str, list[KVBlock | None]] = {}  # None: a hole (released, outside the window)
+        self.num_holes: dict[str, int] = {}  # leading holes of each table
         self.table_ids: dict[str, list[int]] = {}  # the same tables as plain ids, for the runner
         self.num_hashed_blocks: dict[str, int] = {}  # leading blocks of a table already offered to the cache
         # Per request: the first index of its id table the runner has not been told about
@@ -111,7 +145,8 @@ class KVCacheManager:
             return
         self._hash_full_blocks(request)
         for block, block_hash in zip(table[first:num_full], request.block_hashes[first:num_full]):
-            self.pool.cache(block, block_hash)  # never offered before: past this table's hashed count
+            if block is not None:  # a hole has no KV left to offer
+                self.pool.cache(block, block_hash)  # never offered before: past this table's hashed count
         self.num_hashed_blocks[request.request_id] = num_full
 
     def _hash_full_blocks(self, request: Request) -> None:
@@ -127,6 +162,38 @@ class KVCacheManager:
             self.num_hashed_blocks[request_id] = len(self.tables.get(request_id, ()))
 
     # ---- allocation ------------------------------------------------------------------
+    def _num_outside_window(self, num_computed: int) -> int:
+        """Leading blocks that no query from position ``num_computed`` on reads (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def num_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once here (``blocks_needed``)."""
+        return blocks_needed(num_tokens, self.block_size, self.sliding_window, max_chunk)
+
+    def _releasable(self, request: Request) -> list[KVBlock]:
+        """Blocks of ``request``'s table now wholly before its window and not yet released."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            return []
+        end = min(self._num_outside_window(request.num_computed_tokens), len(table))
+        return table[self.num_holes[request.request_id]:end]
+
+    def _release_outside_window(self, request: Request) -> None:
+        """Give back the blocks no later query of ``request`` reads; holes keep their positions."""
+        released = self._releasable(request)
+        if not released:
+            return
+        request_id = request.request_id
+        first = self.num_holes[request_id]
+        end = first + len(released)
+        self.tables[request_id][first:end] = [None] * len(released)
+        self.table_ids[request_id][first:end] = [HOLE_BLOCK_ID] * len(released)
+        self.num_holes[request_id] = end
+        self.pool.free(reversed(released))
+        self._mark_changed(request_id, first)
+
     def _plan(self, request: Request, num_new_tokens: int, computed: ComputedBlocks) -> tuple[int, bool, int]:
         """(new blocks to allocate, whether the tail must be copied first, tokens already computed)."""
         table, num_computed = self._current(request, computed)
@@ -146,14 +213,20 @@ class KVCacheManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> bool:
+        """Whether ``allocate_slots`` would succeed: the blocks it takes (new ones, and cache hits inside the
+        window sitting in the free queue) against the free ones plus those it releases first."""
         num_blocks, _, _ = self._plan(request, num_new_tokens, computed)
-        num_revived = sum(1 for b in computed.blocks if b.ref_count == 0)  # cached but sitting in the free queue
-        return num_blocks + num_revived <= self.pool.num_free_blocks
+        kept = computed.blocks[self._num_outside_window(len(computed.blocks) * self.block_size):]
+        num_revived = sum(1 for b in kept if b.ref_count == 0)  # cached but sitting in the free queue
+        num_released = sum(1 for b in self._releasable(request) if b.ref_count == 1)
+        return num_blocks + num_revived <= self.pool.num_free_blocks + num_released
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (and ``computed``
-        cache hits for a request that has no table yet); False, changing nothing, if short."""
+        cache hits for a request that has no table yet); False if short, having changed nothing but
+        released blocks outside the window (never read again either way)."""
+        self._release_outside_window(request)
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
         num_blocks, copy_tail, num_computed = self._plan(request, num_new_tokens, computed)
@@ -180,12 +253,16 @@ class KVCacheManager:
             assert all(b.ref_count == 1 for b in written), f"{request_id} would write a shared block"
 
     def _new_table(self, request: Request, computed: ComputedBlocks) -> None:
-        """Start ``request``'s table from its cache hits (which must still be cached)."""
+        """Start ``request``'s table from its cache hits (which must still be cached); those wholly before
+        the window are holes from the start, never taken."""
         for block, block_hash in zip(computed.blocks, request.block_hashes):
             assert block.block_hash == block_hash, f"stale cache hit {block}: the pool changed since the lookup"
-        self.pool.touch(computed.blocks)
-        self.tables[request.request_id] = list(computed.blocks)
-        self.table_ids[request.request_id] = [b.block_id for b in computed.blocks]
+        num_holes = self._num_outside_window(len(computed.blocks) * self.block_size)
+        kept = computed.blocks[num_holes:]
+        self.pool.touch(kept)
+        self.tables[request.request_id] = [None] * num_holes + list(kept)
+        self.table_ids[request.request_id] = [HOLE_BLOCK_ID] * num_holes + [b.block_id for b in kept]
+        self.num_holes[request.request_id] = num_holes
         self.num_hashed_blocks[request.request_id] = len(computed.blocks)
         self.first_changed[request.request_id] = 0  # a new table: the runner takes it whole
 
@@ -205,8 +282,9 @@ class KVCacheManager:
         """Give ``child`` the parent's table, every block shared (ref count + 1)."""
         assert child.request_id not in self.tables, f"{child.request_id} already has a table"
         blocks = self.tables[parent.request_id]
-        self.pool.touch(blocks)
+        self.pool.touch(b for b in blocks if b is not None)
         self.tables[child.request_id] = list(blocks)
+        self.num_holes[child.request_id] = self.num_holes[parent.request_id]
         self.table_ids[child.request_id] = list(self.table_ids[parent.request_id])
         self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
         self.first_changed[child.request_id] = 0
@@ -230,14 +308,15 @@ class KVCacheManager:
         """Release the request's table, tail first so chains are evicted from their end."""
         blocks = self.tables.pop(request.request_id, [])
         self.table_ids.pop(request.request_id, None)
+        self.num_holes.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
         self.first_changed.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed([b for b in blocks if b is not None]))
 
     def check_invariants(self, requests: list[Request]) -> None:
         """Debug check: ref counts equal table membership, free iff ref 0, slots cover KV."""
         self.pool.check_invariants()
-        membership = Counter(b.block_id for table in self.tables.values() for b in table)
+        membership = Counter(b.block_id for table in self.tables.values() for b in table if b is not None)
         free_ids = {b.block_id for b in self.pool.free_queue}
         for block in self.pool.blocks:
             assert block.ref_count == membership[block.block_id], f"{block} in {membership[block.block_id]} tables"
@@ -248,6 +327,9 @@ class KVCacheManager:
         for request in requests:
             num_slots = len(self.tables.get(request.request_id, ())) * self.block_size
             assert request.num_computed_tokens <= num_slots, f"{request.request_id} computed past its slots"
+            num_holes = self.num_holes.get(request.request_id, 0)
+            assert num_holes <= self._num_outside_window(request.num_computed_tokens), \
+                f"{request.request_id} released a block its next query reads"
         assert set(self.tables) <= {r.request_id for r in requests}, "table of an unknown request"
         for request_id, table in self.tables.items():
             self._check_table(request_id, table)
@@ -256,8 +338,13 @@ class KVCacheManager:
     def _check_table(self, request_id: str, table: list[KVBlock]) -> None:
         """Ids mirror blocks; blocks past the hashed count carry no hash (so ``pool.cache`` never
         sees a block twice); a pending update starts inside the table."""
-        assert self.table_ids[request_id] == [b.block_id for b in table], f"{request_id} ids out of sync"
+        num_holes = self.num_holes[request_id]
+        assert all(b is None for b in table[:num_holes]), f"{request_id} has a block among its holes"
+        assert all(b is not None for b in table[num_holes:]), f"{request_id} has a hole after a block"
+        assert self.table_ids[request_id] == [HOLE_BLOCK_ID] * num_holes + [b.block_id for b in table[num_holes:]], \
+            f"{request_id} ids out of sync"
         num_hashed = self.num_hashed_blocks[request_id]
         assert num_hashed <= len(table), f"{request_id} hashed past its table"
-        assert all(b.block_hash is None for b in table[num_hashed:]), f"{request_id} has a hash past its hashed count"
+        assert all(b.block_hash is None for b in table[max(num_hashed, num_holes):]), \
+            f"{request_id} has a hash past its hashed count"
         assert 0 <= self.first_changed.get(request_id, 0) <= len(table)

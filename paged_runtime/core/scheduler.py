@@ -226,7 +226,7 @@ class Scheduler:
         """Why ``request`` could never run (its tokens alone exceed the context or the whole cache), or None."""
         if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
             return f"the request has {request.num_tokens} tokens, max_model_len is {self.max_model_len}"
-        num_blocks = -(-request.num_tokens // self.kv_cache.block_size)
+        num_blocks = self.kv_cache.num_blocks_needed(request.num_tokens, self.max_num_batched_tokens)
         if num_blocks > self.kv_cache.pool.num_blocks:
             return (f"the request's {request.num_tokens} tokens need {num_blocks} blocks; the whole KV cache has "
                     f"{self.kv_cache.pool.num_blocks}")

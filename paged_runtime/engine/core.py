@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_runtime.config import EngineConfig, resolve_dtype
-from paged_runtime.core.kv_cache_manager import KVCacheManager
+from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.models.loader import load_model, resolve_model_path
@@ -103,9 +103,12 @@ class EngineCore:
         spec = config.speculative_config
         draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None
         budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
+        window = kv_sliding_window(model_config, draft.config if draft else None)
+        per_request = None if window is None else blocks_needed(self.max_model_len, config.block_size, window,
+                                                                self.max_num_batched_tokens)
         self.num_blocks = num_kv_blocks([model_config] + ([draft.config] if draft else []), config.block_size,
-                                        self.dtype, budget, self.max_model_len, config.max_num_seqs)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+                                        self.dtype, budget, self.max_model_len, config.max_num_seqs, per_request)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
                                    rope_switch=model.rope_switch)
@@ -216,11 +219,25 @@ class EngineCore:
                 self.spec_stats.record(item.num_spec, len(tokens) - 1)
 
 
+def kv_sliding_window(model_config: ModelConfig, draft_config: ModelConfig | None) -> int | None:
+    """The window the KV manager may release blocks behind: every layer's (the largest), when every layer
+    slides; None, keeping every block, when any layer attends to the whole context (Gemma 3's global layers)
+    or a draft model shares the tables (its catch-up queries start before the step's first position)."""
+    windows = model_config.layer_windows
+    if not windows:
+        return None
+    if None in windows:
+        logger.info("%d of %d layers slide, the others read the whole context: the KV cache keeps every block",
+                    len(windows) - windows.count(None), len(windows))
+        return None
+    if draft_config is not None:
+        logger.info("a draft model shares the block tables: the KV cache keeps blocks outside the sliding window")
+        return None
+    return max(windows)
+
+
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        # Attention here is full-context; beyond the window the model would differ from its reference.
-        limit = min(limit, model_config.sliding_window)
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

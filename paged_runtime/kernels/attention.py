@@ -14,6 +14,11 @@ attends to keys 0 .. that position: causal within the new tokens, everything cac
 before them (earlier chunks, prefix-cache hits). Decodes, prompt chunks and speculative
 verification rows are all this one case. Query head h reads KV head h // (H / Hkv).
 
+Sliding window W (``window > 0``): the query at position p sees keys p - W + 1 .. p only; a
+program starts at the key tile holding its first query's window start, so tiles (and cache
+blocks) wholly before the window are never loaded: O(W) work per query, not O(context).
+Soft cap c (``softcap > 0``): each scaled score s becomes c * tanh(s / c) before the softmax.
+
 Programs: ``grid = (T // BLOCK_Q + B, Hkv, num_segments)``. A program takes a tile of
 up to BLOCK_Q consecutive queries of one sequence times the GROUP = H / Hkv query heads
 that share KV head ``program_id(1)``: BLOCK_M >= BLOCK_Q * GROUP rows, so every KV tile
@@ -77,13 +82,13 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, window, softcap,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_slot, stride_c_kv, stride_c_h, stride_bt,
     stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,15 +112,20 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dim[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    # Keys 0 .. kv_end - 1 are visible to the tile's last query; a segment takes its share of them.
+    # Keys kv_start .. kv_end - 1 are visible to some query of the tile: from its first query's window
+    # start (0 without a window) to its last query; a segment takes its share of those key tiles.
     kv_end = ctx_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     num_kv_tiles = tl.cdiv(kv_end, TILE_N)
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
+    first_tile = kv_start // TILE_N
     if SPLIT:
-        per_segment = tl.cdiv(num_kv_tiles, tl.num_programs(2))
-        first = tl.program_id(2) * per_segment
+        per_segment = tl.cdiv(num_kv_tiles - first_tile, tl.num_programs(2))
+        first = first_tile + tl.program_id(2) * per_segment
         last = tl.minimum(first + per_segment, num_kv_tiles)
     else:
-        first = 0
+        first = first_tile
         last = num_kv_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -125,7 +135,7 @@ def _paged_attention_kernel(
     kv_base = cache_ptr + kv_head * stride_c_h
     for kv_tile in range(first, last):
         key = kv_tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = key < kv_end  # masked keys load as 0: never read a slot outside the context
+        key_ok = (key < kv_end) & (key >= kv_start)  # masked keys load as 0: no slot outside the window read
         block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + key % BLOCK_SIZE  # int64: slot * stride overflows int32 in big caches
         k = tl.load(kv_base + slot[None, :] * stride_c_slot + dim[:, None],
@@ -133,7 +143,12 @@ def _paged_attention_kernel(
         v = tl.load(kv_base + stride_c_kv + slot[:, None] * stride_c_slot + dim[None, :],
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, D]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(key[None, :] <= position[:, None], s, float("-inf"))
+        if SOFTCAP:  # c * tanh(x / c) of the natural-units score x, kept in log2 units (tanh via exp2: any x)
+            s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(2.0 * s / softcap) + 1.0))
+        visible = key[None, :] <= position[:, None]
+        if SLIDING:
+            visible = visible & (key[None, :] > position[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no visible key so far keeps m = -inf; measuring from 0 then gives
         # exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
@@ -173,7 +188,8 @@ def _reduce_segments_kernel(
     stats = token * stride_pm_t + head * stride_pm_h + segment
     m = tl.load(part_max_ptr + stats, mask=segment_ok, other=float("-inf"))
     total = tl.load(part_sum_ptr + stats, mask=segment_ok, other=0.0)
-    # Finite: segment 0 always holds key 0, which every query sees. Empty segments have m = -inf, weight 0.
+    # Finite: segment 0 always holds the first key the query sees (key 0, or its window's first). Empty
+    # segments have m = -inf, weight 0.
     weight = tl.exp2(m - tl.max(m, axis=0))
     dim = tl.arange(0, HEAD_DIM_P)
     dim_ok = dim < HEAD_DIM
@@ -194,9 +210,11 @@ def _block_shape(group: int, max_query_len: int) -> tuple[int, int]:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
-                    scale: float, num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, num_splits: int = 1, out: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Attention of every query in ``q`` ([T, H, D]) over its sequence's paged context
-    (layout in the module docstring); returns ``out`` ([T, H, D], q's dtype).
+    (layout in the module docstring); returns ``out`` ([T, H, D], q's dtype). ``window > 0``: each query
+    over its last ``window`` positions; ``softcap > 0``: scores soft-capped at it.
 
     ``max_query_len`` is a host-side upper bound on any sequence's query count (it picks
     the tile shape); ``num_splits > 1`` runs the split-KV variant with that many segments.
@@ -223,12 +241,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     _paged_attention_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables,
         part_acc, part_max, part_sum,
-        scale * 1.4426950408889634, num_seqs,
+        scale * 1.4426950408889634, num_seqs, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_max.stride(0), part_max.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=TILE_N, BLOCK_SIZE=block_size, SPLIT=split,
+        TILE_N=TILE_N, BLOCK_SIZE=block_size, SPLIT=split, SLIDING=window > 0, SOFTCAP=softcap > 0,
         # fp32 models get fp32 products, not TF32 (10-bit mantissa) tensor-core ones.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )

@@ -341,27 +341,43 @@ static inline int64_t next_slot(SlotWalk *w) {
 typedef struct {
     const int64_t *block_tables, *context_lens;
     int64_t table_stride, block_size, heads, kv_heads, dim;
+    int64_t window; /* > 0: a row reads only its last `window` tokens (sliding window); 0: all */
     float scale;
+    float softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax */
 } Paged;
 
+/* The first context position row b reads: the start of its window, or 0. */
+static inline int64_t first_key(const Paged *P, int64_t b) {
+    int64_t first = P->window > 0 ? P->context_lens[b] - P->window : 0;
+    return first > 0 ? first : 0;
+}
+
+/* Walk row b's slots from token `first` on: blocks wholly before the window are never touched. */
+static inline SlotWalk walk_from(const Paged *P, const int64_t *table, int64_t first) {
+    return (SlotWalk){table, P->block_size, first / P->block_size, first % P->block_size};
+}
+
+static inline float cap(const Paged *P, float s) { return P->softcap > 0.f ? P->softcap * tanhf(s / P->softcap) : s; }
+
 /* Query head h of row b (q at q + b * q_stride + h * dim) over the row's first context_lens[b] cached
- * tokens (its own already stored); token t lives in slot block_tables[b, t / block_size] * block_size +
- * t % block_size. Exact softmax in fp32; scratch holds context_lens[b] + 2 * dim floats. The result,
- * rounded to dt, goes to out (dt, [B, heads, dim]) and/or xf (fp32, same layout). */
+ * tokens (its own already stored), or only the last P->window of them; token t lives in slot
+ * block_tables[b, t / block_size] * block_size + t % block_size. Exact softmax in fp32; scratch holds
+ * context_lens[b] + 2 * dim floats. The result, rounded to dt, goes to out (dt, [B, heads, dim]) and/or xf
+ * (fp32, same layout). */
 static void attend_head(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
                         int64_t h, float *scratch, void *out, float *xf, int dt) {
-    int64_t len = P->context_lens[b], dim = P->dim, g = h / (P->heads / P->kv_heads);
+    int64_t first = first_key(P, b), len = P->context_lens[b] - first, dim = P->dim, g = h / (P->heads / P->kv_heads);
     int64_t row_bytes = P->kv_heads * dim * (dt == BF16 ? 2 : 4), head_bytes = g * dim * (dt == BF16 ? 2 : 4);
     float *scores = scratch, *qf = scratch + len, *acc = qf + dim, max_score = -INFINITY, sum = 0.f;
     for (int64_t i = 0; i < dim; i++) qf[i] = load(q, b * q_stride + h * dim + i, dt), acc[i] = 0.f;
     const int64_t *table = P->block_tables + b * P->table_stride;
-    SlotWalk walk = {table, P->block_size, 0, 0};
+    SlotWalk walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
-        scores[t] = dot(qf, (const char *)kv_cache + slot * 2 * row_bytes + head_bytes, dim, dt) * P->scale;
+        scores[t] = cap(P, dot(qf, (const char *)kv_cache + slot * 2 * row_bytes + head_bytes, dim, dt) * P->scale);
         max_score = scores[t] > max_score ? scores[t] : max_score;
     }
-    walk = (SlotWalk){table, P->block_size, 0, 0};
+    walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         float p = expf(scores[t] - max_score);
@@ -386,13 +402,13 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
 static inline __attribute__((always_inline)) void attend_group_impl(
     const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g, float *scratch,
     void *out, float *xf, const int64_t chunks, const int dt) {
-    int64_t G = P->heads / P->kv_heads, dim = chunks * 16, len = P->context_lens[b];
+    int64_t G = P->heads / P->kv_heads, dim = chunks * 16, first = first_key(P, b), len = P->context_lens[b] - first;
     int64_t elem = dt == BF16 ? 2 : 4, row_bytes = P->kv_heads * dim * elem, head_bytes = g * dim * elem;
     float *qf = scratch, *acc = qf + G * dim, *scores = acc + G * dim;
     for (int64_t i = 0; i < G * dim; i++) qf[i] = load(q, b * q_stride + g * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     const int64_t *table = P->block_tables + b * P->table_stride;
     __m512 kv[MAX_CHUNKS];
-    SlotWalk walk = {table, P->block_size, 0, 0};
+    SlotWalk walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *key = (const char *)kv_cache + slot * 2 * row_bytes + head_bytes;
@@ -400,7 +416,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         for (int64_t j = 0; j < G; j++) {
             __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + j * dim), kv[0]);
             for (int64_t c = 1; c < chunks; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * dim + c * 16), kv[c], s);
-            scores[j * len + t] = _mm512_reduce_add_ps(s);
+            scores[j * len + t] = cap(P, _mm512_reduce_add_ps(s));
         }
     }
     float sums[MAX_GROUP];
@@ -420,7 +436,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         }
         sums[j] = _mm512_reduce_add_ps(total);
     }
-    walk = (SlotWalk){table, P->block_size, 0, 0};
+    walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *value = (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes;
@@ -483,12 +499,14 @@ static int64_t max_context(const int64_t *context_lens, int64_t B) {
     return longest;
 }
 
-/* One query token per row of q (rows q_stride elements apart, heads dim apart) over its paged context;
+/* One query token per row of q (rows q_stride elements apart, heads dim apart) over its paged context
+ * (window > 0: its last `window` tokens, the blocks before them unread; softcap > 0: scores soft-capped);
  * out is [B, heads, dim]. Returns -2 if the per-thread score buffers cannot be allocated. */
 int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_cache, const int64_t *block_tables,
                               int64_t table_stride, const int64_t *context_lens, int64_t B, int64_t heads,
-                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale, void *out, int dt) {
-    Paged P = {block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, scale};
+                              int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window, float scale,
+                              float softcap, void *out, int dt) {
+    Paged P = {block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, window, scale, softcap};
     int64_t per_thread = attention_scratch(&P, max_context(context_lens, B));
     float *scratch = alloc_lines(sizeof(float) * per_thread * omp_get_max_threads());
     if (!scratch) return -2;

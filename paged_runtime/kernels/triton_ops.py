@@ -13,7 +13,8 @@ LIB = torch.library.Library("paged_runtime", "FRAGMENT")
 
 LIB.define("triton_store_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
 LIB.define("triton_paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-           "Tensor block_tables, int block_size, int max_query_len, float scale, int num_kv_splits) -> Tensor")
+           "Tensor block_tables, int block_size, int max_query_len, float scale, int num_kv_splits, int window=0, "
+           "float softcap=0.) -> Tensor")
 
 
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -23,10 +24,10 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
 
 def _paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
-                     scale: float, num_kv_splits: int) -> torch.Tensor:
+                     scale: float, num_kv_splits: int, window: int = 0, softcap: float = 0.) -> torch.Tensor:
     from paged_runtime.kernels.attention import paged_attention
     return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
-                           scale, num_kv_splits)
+                           scale, num_kv_splits, window=window, softcap=softcap)
 
 
 LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")

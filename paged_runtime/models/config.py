@@ -9,6 +9,27 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                            "Phi3ForCausalLM")
+# Families whose ``sliding_window`` applies to every layer (Hugging Face ignores their ``layer_types``).
+EVERY_LAYER_SLIDES = ("MistralForCausalLM", "MixtralForCausalLM")
+
+
+def layer_windows(architecture: str, raw: dict, sliding: int | None) -> tuple[int | None, ...]:
+    """Each decoder layer's sliding window as Hugging Face applies it (empty: no layer slides).
+
+    Mistral-style: every layer slides. Otherwise ``layer_types`` says which layers do ("sliding_attention");
+    without it, Qwen2 slides layers i >= ``max_window_layers`` (its config's default ``layer_types``)."""
+    if not sliding or architecture == "LlamaForCausalLM":  # Hugging Face's Llama attends to everything
+        return ()
+    num_layers = raw["num_hidden_layers"]
+    if architecture in EVERY_LAYER_SLIDES:
+        return (sliding,) * num_layers
+    types = raw.get("layer_types")
+    if types is None and architecture == "Qwen2ForCausalLM":
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not types or "sliding_attention" not in types:
+        return ()
+    return tuple(sliding if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -73,7 +94,7 @@ class ModelConfig:
             sliding = None
         max_len = raw.get("max_position_embeddings", 2048)
         scaling = _rope_scaling(raw, scaling, architecture, max_len)
-        windows = ()
+        windows = layer_windows(architecture, raw, sliding)
         if architecture == "Phi3ForCausalLM":
             windows, sliding = _phi3_windows(raw, max_len), None
         config = cls(

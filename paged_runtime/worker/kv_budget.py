@@ -27,9 +27,11 @@ def free_memory(device: torch.device, utilization: float) -> int:
 
 
 def num_kv_blocks(config: ModelConfig | list[ModelConfig], block_size: int, dtype: torch.dtype, budget: int,
-                  max_model_len: int, max_num_seqs: int) -> int:
+                  max_model_len: int, max_num_seqs: int, blocks_per_request: int | None = None) -> int:
     """Blocks that fit in ``budget``, capped at what ``max_num_seqs`` full-length requests can use.
     Several configs (a target and its draft model) share block ids, so a block costs their sum.
+    ``blocks_per_request``: the most blocks one request holds at once (default: max_model_len's; fewer
+    where the KV manager releases blocks behind a sliding window).
 
     Raises ValueError when not even one request of ``max_model_len`` fits,
     naming the largest length that would.
@@ -37,6 +39,12 @@ def num_kv_blocks(config: ModelConfig | list[ModelConfig], block_size: int, dtyp
     configs = config if isinstance(config, list) else [config]
     per_block = sum(bytes_per_block(c, block_size, dtype) for c in configs)
     num_blocks = budget // per_block
+    if blocks_per_request is not None:
+        if num_blocks < blocks_per_request:
+            raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens; one request needs "
+                             f"{blocks_per_request} at once. Give the cache more memory "
+                             f"(kv_cache_memory / gpu_memory_utilization).")
+        return min(num_blocks, max_num_seqs * blocks_per_request)
     if num_blocks * block_size < max_model_len:
         raise ValueError(
             f"max_model_len {max_model_len} does not fit in the KV cache: {budget} bytes hold "

@@ -112,13 +112,8 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma3_dir, expected_tokens):
     assert model.layers[0].self_attn.attn.scale == 24 ** -0.5
 
 
-NO_WINDOW_KERNEL = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                     reason="the CPU-kernel attention backend has no sliding window until issue 20 "
-                                            "item 3 lands (its steps fail with NotImplementedError): remove then")
-
-
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
-@pytest.mark.parametrize("attention", ["torch", pytest.param("cpu", marks=NO_WINDOW_KERNEL)])
+@pytest.mark.parametrize("attention", ["torch", "cpu"])
 def test_tiny_gemma3_with_cpu_kernels_stays_off_the_one_op_llama_layer(tiny_gemma3_dir, expected_tokens, attention,
                                                                        monkeypatch):
     """The kernel op set: Gemma's norms and GeGLU fall back to PyTorch's, its linears and RoPE are kernels."""

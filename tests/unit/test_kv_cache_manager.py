@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from paged_runtime.core.block_pool import BlockPool
-from paged_runtime.core.kv_cache_manager import NO_COMPUTED_BLOCKS, KVCacheManager
+from paged_runtime.core.kv_cache_manager import HOLE_BLOCK_ID, NO_COMPUTED_BLOCKS, KVCacheManager
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.sampling_params import SamplingParams
@@ -278,3 +278,129 @@ def test_a_shared_block_is_never_written():
     child.num_computed_tokens = 4  # pretend the child had not computed block 1: it would rewrite it
     with pytest.raises(AssertionError, match="shared block"):
         kv.allocate_slots(child, 1)
+
+
+# ---- sliding window: blocks wholly before the window are released ---------------------------
+WINDOW, WBS = 32, 16  # a query at p reads p - 31 .. p
+
+
+def compute(kv: KVCacheManager, request: Request, num_new: int, live: list[Request] | None = None) -> int:
+    """Allocate ``num_new`` tokens, 'compute' them, publish full blocks; the blocks the request holds."""
+    assert kv.allocate_slots(request, num_new)
+    request.num_computed_tokens += num_new
+    kv.cache_computed_blocks(request)
+    kv.check_invariants(live or [request])
+    return sum(b is not None for b in kv.tables[request.request_id])
+
+
+def test_a_windowed_request_holds_only_the_blocks_its_window_reads():
+    kv = KVCacheManager(20, WBS, sliding_window=WINDOW)
+    a = make_request("a", range(100))
+    held = [compute(kv, a, min(16, 100 - a.num_computed_tokens)) for _ in range(7)]  # chunked prefill
+    # Before each chunk at p = 0, 16, ..., 96 the first (p - 31) // 16 blocks are released.
+    assert held == [1, 2, 3, 3, 3, 3, 3]
+    assert kv.num_free_blocks == 20 - 3
+    assert kv.block_ids("a")[:4] == [HOLE_BLOCK_ID] * 4 and len(kv.block_ids("a")) == 7
+    for token in range(16):  # decodes: 2 or 3 blocks
+        a.append_token(1000 + token)
+        assert compute(kv, a, 1) == (2 if a.num_computed_tokens - 1 in range(111, 112) else 3)
+    kv.free(a)
+    assert kv.num_free_blocks == 20
+    kv.check_invariants([])
+
+
+def test_released_blocks_go_back_to_the_free_queue_still_cached_and_the_runner_sees_holes():
+    kv = KVCacheManager(10, WBS, sliding_window=WINDOW)
+    a = make_request("a", range(64))
+    compute(kv, a, 64)
+    assert kv.take_block_ids_update("a") == (0, [0, 1, 2, 3])
+    a.append_token(7)
+    assert kv.allocate_slots(a, 1)  # next query at 64 reads 33..64: blocks 0 and 1 are out
+    assert kv.take_block_ids_update("a") == (0, [HOLE_BLOCK_ID, HOLE_BLOCK_ID, 2, 3, 4])
+    free = list(kv.pool.free_queue)
+    assert [b.block_id for b in free[-2:]] == [1, 0]  # tail first, as a freed table
+    assert all(b.block_hash is not None for b in free[-2:])  # still findable prefix-cache hits
+    kv.check_invariants([a])
+
+
+def test_prefix_hits_before_the_window_are_not_taken():
+    kv = KVCacheManager(10, WBS, sliding_window=WINDOW)
+    a = make_request("a", range(64))
+    compute(kv, a, 64)
+    kv.free(a)
+    b = make_request("b", list(range(64)) + [5] * 5, arrival=1)
+    computed, num_computed = kv.get_computed_blocks(b)
+    assert num_computed == 64 and len(computed.blocks) == 4
+    assert kv.allocate_slots(b, 5, computed)
+    b.num_computed_tokens = 64
+    # The query at 64 reads 33..64: hits 0 and 1 stay in the free queue (and the cache), 2 and 3 are taken.
+    assert kv.block_ids("b")[:4] == [HOLE_BLOCK_ID, HOLE_BLOCK_ID, 2, 3]
+    assert kv.num_free_blocks == 10 - 3
+    assert {0, 1} <= {blk.block_id for blk in kv.pool.cached.values() if blk.ref_count == 0}
+    kv.check_invariants([b])
+    c = make_request("c", list(range(64)) + [6], arrival=2)  # the released hits are still valid for others
+    assert kv.get_computed_blocks(c)[1] == 64
+
+
+def test_fork_shares_holes_and_each_sequence_releases_its_own_references():
+    kv = KVCacheManager(12, WBS, sliding_window=WINDOW)
+    parent = make_request("p", range(40))
+    compute(kv, parent, 40)
+    child = make_request("c", range(40))
+    child.num_computed_tokens = 40
+    kv.fork(parent, child)
+    assert [b.ref_count for b in kv.tables["p"]] == [2, 2, 2]
+    for sequence in (parent, child):
+        sequence.append_token(1)
+    for _ in range(9):  # both decode to 49: the query at 49 reads 18..49, block 0 is out
+        for sequence in (parent, child):
+            compute(kv, sequence, 1, [parent, child])
+            sequence.append_token(1)
+    assert kv.tables["p"][0] is None and kv.tables["c"][0] is None
+    # Each holds [hole, 1 (shared), its own copy of the forked tail, its own next block].
+    assert kv.pool.blocks[0].ref_count == 0 and kv.pool.blocks[1].ref_count == 2
+    assert kv.num_free_blocks == 12 - 1 - 2 * 2
+    kv.free(parent)
+    kv.check_invariants([child])
+    kv.free(child)
+    assert kv.num_free_blocks == 12
+    kv.check_invariants([])
+
+
+def test_a_request_longer_than_the_cache_runs_in_chunks_and_the_scheduler_admits_it():
+    kv = KVCacheManager(4, WBS, sliding_window=WINDOW)
+    assert kv.num_blocks_needed(100, 16) == 4 and KVCacheManager(4, WBS).num_blocks_needed(100, 16) == 7
+    scheduler = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=16)
+    a = make_request("a", range(100))
+    scheduler.add_request(a)
+    while a.num_computed_tokens < 100:
+        out = scheduler.schedule()
+        assert out.scheduled and not scheduler.take_failed()
+        scheduler.update_from_output(out, [[] if a.num_computed_tokens + 16 < 100 else [5]])
+        scheduler.check_invariants()
+        assert sum(b is not None for b in kv.tables.get("a", [])) <= 4
+    assert a.num_output_tokens == 1
+
+
+def test_speculative_rollback_never_reaches_a_released_block():
+    kv = KVCacheManager(10, WBS, sliding_window=WINDOW)
+    a = make_request("a", range(63))
+    compute(kv, a, 63)
+    assert kv.allocate_slots(a, 1 + 4)  # the last token and four drafts from 63
+    a.num_computed_tokens = 64  # every draft rejected: back to the step's start + 1
+    kv.check_invariants([a])
+    assert kv.num_holes["a"] == (63 - WINDOW + 1) // WBS == 2
+
+
+def test_the_engine_gives_the_kv_manager_a_window_only_when_every_layer_slides():
+    from paged_runtime.engine.core import kv_sliding_window
+    from paged_runtime.models.config import ModelConfig
+    shape = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2)
+    mistral = ModelConfig.from_dict(dict(shape, architectures=["MistralForCausalLM"], sliding_window=24))
+    qwen2 = ModelConfig.from_dict(dict(shape, architectures=["Qwen2ForCausalLM"], sliding_window=24,
+                                       use_sliding_window=True, max_window_layers=2))
+    plain_qwen2 = ModelConfig.from_dict(dict(shape, architectures=["Qwen2ForCausalLM"], sliding_window=24))
+    assert mistral.layer_windows == (24,) * 4 and kv_sliding_window(mistral, None) == 24
+    assert qwen2.layer_windows == (None, None, 24, 24) and kv_sliding_window(qwen2, None) is None
+    assert plain_qwen2.layer_windows == () and kv_sliding_window(plain_qwen2, None) is None
+    assert kv_sliding_window(mistral, mistral) is None  # a draft model's catch-up reads before the step
