@@ -38,10 +38,22 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)
     return folder
+
+
+def copy_tokenizer(tokenizer_dir, folder) -> None:
+    """SmolLM2's tokenizer files into a tiny model's folder (the engine loads the tokenizer from there)."""
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, folder / name)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy completion of one prompt: the oracle's tokens."""
+    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
+    return out[0, len(prompt_ids):].tolist()
 
 
 def make_llm(model_dir, **kwargs):

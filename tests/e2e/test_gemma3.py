@@ -10,12 +10,11 @@ PyTorch's ops and attention, and once more with the compiled CPU kernels forced 
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
 
-from conftest import TOKENIZER_FILES, assert_idle, make_llm
+from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -40,9 +39,7 @@ def save_tiny_gemma3(folder, smollm2_dir, **changes) -> None:
             if "norm" in name:
                 param.uniform_(-0.5, 0.5)
     model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +52,6 @@ def tiny_gemma3_dir(tmp_path_factory, smollm2_dir):
 def load_hf(folder, **changes):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **changes).eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def workload() -> tuple[list[list[int]], list[int]]:

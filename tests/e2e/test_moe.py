@@ -10,12 +10,11 @@ tokens reach every expert of every sparse layer, so no expert's weights go untes
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
 
-from conftest import TOKENIZER_FILES, assert_idle, make_llm
+from conftest import assert_idle, copy_tokenizer, make_llm
 from paged_runtime import SamplingParams
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
@@ -68,9 +67,7 @@ def family(request, tmp_path_factory, smollm2_dir):
     model, per_expert_layout = FAMILIES[architecture]()
     spread_norms(model.to(torch.float32))
     model.save_pretrained(folder, safe_serialization=True, save_original_format=per_expert_layout)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager").eval()
     return architecture, folder, hf
 

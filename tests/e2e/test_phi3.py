@@ -24,7 +24,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TOKENIZER_FILES, assert_idle, make_llm
+from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -61,9 +61,7 @@ def save_tiny_phi3(folder, smollm2_dir, config):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)
     return folder
 
 
@@ -83,12 +81,6 @@ def longrope_dir(tmp_path_factory, smollm2_dir):
 def hf_model(folder):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def workload(which=range(9)) -> tuple[list[list[int]], list[int]]:

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TOKENIZER_FILES, assert_idle, make_llm
+from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -41,9 +41,7 @@ def tiny_qwen3_dir(tmp_path_factory, smollm2_dir):
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)
     return folder
 
 
@@ -51,12 +49,6 @@ def tiny_qwen3_dir(tmp_path_factory, smollm2_dir):
 def qwen3_hf(tiny_qwen3_dir):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def workload() -> tuple[list[list[int]], list[int]]:

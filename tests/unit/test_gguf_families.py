@@ -370,18 +370,12 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 # --------------------------------------------------------------------------- the runtime on a converted GGUF
 
 
-def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("arch", sorted(FAMILIES), ids=lambda arch: "mixtral" if arch == "llama" else arch)
 def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch):
     """LLM(model="x.gguf") converts on first use and serves greedy tokens identical to transformers on the
     converted folder, with chunked prefill, a shared prefix (cache hits), preemption and n = 2, for every
     family.  Q8_0, as published GGUFs are quantised (F32 files differ only in the bytes dequantised)."""
-    from conftest import assert_idle, make_llm
+    from conftest import assert_idle, hf_greedy, make_llm
     from paged_runtime import SamplingParams
 
     model = _build(arch)
@@ -406,6 +400,6 @@ def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch)
     core = llm.engine.core
     assert core.scheduler.num_preemptions > 0 and core.kv_cache.num_hit_tokens > 0
     for prompt, out in zip(prompts, outs):
-        expected = _hf_greedy(hf, prompt, 12)
+        expected = hf_greedy(hf, prompt, 12)
         assert [c.token_ids for c in out.outputs] == [expected] * len(out.outputs)
     assert_idle(llm)
