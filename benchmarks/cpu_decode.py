@@ -53,14 +53,14 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied head counted once
 
 
-def decode_ms(llm, batch: int, context: int, steps: int, seed: int) -> float:
-    """Milliseconds per decode step with ``batch`` requests at ``context`` tokens."""
+def decode_ms(llm, batch: int, context: int, steps: int, seed: int, max_token_id: int = 49000) -> float:
+    """Milliseconds per decode step with ``batch`` requests at ``context`` random tokens (ids < max_token_id)."""
     from paged_runtime import SamplingParams
     engine, rng = llm.engine, random.Random(seed)
     params = SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True)
     ids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
     for request_id in ids:
-        engine.add_request(request_id, [rng.randrange(3, 49000) for _ in range(context)], params)
+        engine.add_request(request_id, [rng.randrange(3, max_token_id) for _ in range(context)], params)
     while any(r.num_computed_tokens < context for r in engine.core.scheduler.requests.values()):
         engine.step()
     for _ in range(2):

@@ -94,11 +94,12 @@ def build_folder(family: str, layers: int | None, dtype: torch.dtype, root: Path
     return folder, model, kwargs["num_hidden_layers"]
 
 
-def hf_decode_ms(model, batch: int, context: int, steps: int, seed: int) -> float:
+def hf_decode_ms(model, batch: int, context: int, steps: int, seed: int, max_token_id: int) -> float:
     """transformers: milliseconds per greedy decode forward of ``batch`` rows at ``context`` tokens."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
-    prompts = torch.tensor([[rng.randrange(3, 49000) for _ in range(context)] for _ in range(batch)], device=device)
+    prompts = torch.tensor([[rng.randrange(3, max_token_id) for _ in range(context)] for _ in range(batch)],
+                           device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         out = model(prompts, use_cache=True)
@@ -131,13 +132,14 @@ def measure_family(family: str, args, root: Path, tokenizer_dir: Path) -> dict:
     llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=args.context + args.steps + 32,
               max_num_seqs=max(args.batch), max_num_batched_tokens=max(4096, args.context),
               kv_cache_memory=args.kv_cache_gib * 2**30)
+    max_token_id = min(49000, hf_model.config.vocab_size)  # prompts the model and the tokenizer both know
     ours: dict[int, float] = {}
     theirs: dict[int, float] = {}
     for round_ in range(args.rounds):
         for batch in args.batch:
-            ms = decode_ms(llm, batch, args.context, args.steps, seed=round_)
+            ms = decode_ms(llm, batch, args.context, args.steps, seed=round_, max_token_id=max_token_id)
             ours[batch] = min(ours.get(batch, ms), ms)
-            ms = hf_decode_ms(hf_model, batch, args.context, args.steps, seed=round_)
+            ms = hf_decode_ms(hf_model, batch, args.context, args.steps, seed=round_, max_token_id=max_token_id)
             theirs[batch] = min(theirs.get(batch, ms), ms)
     row["ops"] = llm.engine.core.ops.name
     row["batches"] = [{"batch": b, "ours_ms": ours[b], "transformers_ms": theirs[b], "speedup": theirs[b] / ours[b]}
@@ -198,16 +200,25 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from paged_runtime.models.default_model import default_model_path
     busy = others_busy_cores()
-    with tempfile.TemporaryDirectory(prefix="models-bench-") as root:
-        rows = [measure_family(f, args, Path(root), default_model_path()) for f in args.families]
-    print_table(rows, args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"models-{device}.json"
-    out.write_text(json.dumps({"parameters": vars(args), "machine": machine_info(), "others_busy_cores": busy,
-                               "rows": rows}, indent=2) + "\n")
+    # Families not measured in this run keep their rows from the last one (each row is one run's ratio).
+    kept = json.loads(out.read_text())["rows"] if out.exists() else []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="models-bench-") as root:
+        for family in args.families:  # each family's row is printed and saved as soon as it is measured
+            rows.append(measure_family(family, args, Path(root), default_model_path()))
+            print_table(rows[-1:], args)
+            measured = {r["family"] for r in rows}
+            every = [r for r in kept if r["family"] not in measured] + rows
+            every.sort(key=lambda r: list(FAMILIES).index(r["family"]))
+            out.write_text(json.dumps({"parameters": vars(args), "machine": machine_info(),
+                                       "others_busy_cores": busy, "rows": every}, indent=2) + "\n")
+    every = json.loads(out.read_text())["rows"]
+    print_table(every, args)
     print(f"wrote {out}")
-    if plot(rows, out.with_suffix(".png")):
+    if plot(every, out.with_suffix(".png")):
         print(f"wrote {out.with_suffix('.png')}")
     return 0
 
