@@ -299,17 +299,21 @@ class Scheduler:
 
     def _preempt(self, request: Request, scheduled: list[ScheduledRequest]) -> int:
         """Preempt by recompute; returns the tokens it had been scheduled this step (0 if none)."""
-        self.running.remove(request)
-        self.kv_cache.free(request)
+        self._requeue(request)
         was_scheduled = [s for s in scheduled if s.request_id == request.request_id]
         for item in was_scheduled:
             scheduled.remove(item)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=self._key)
         return sum(s.num_new_tokens for s in was_scheduled)
+
+    def _requeue(self, request: Request) -> None:
+        """Back to waiting with no KV: it will be recomputed from its first token."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=self._key)
 
     # ---- after the forward pass ---------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
@@ -350,12 +354,8 @@ class Scheduler:
 
     def _recompute_long(self, request: Request) -> None:
         """``request`` just grew past ``rope_switch``: its KV, rotated short, is recomputed long from scratch."""
-        self.running.remove(request)
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
         _salt_long_rope(request)
-        bisect.insort(self.waiting, request, key=self._key)
+        self._requeue(request)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
