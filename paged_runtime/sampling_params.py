@@ -46,6 +46,36 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's ``StructuredOutputsParams``): exactly one of the fields is set.
+
+    ``json``: a JSON schema (dict or its JSON text); ``regex``; ``choice``: the output is one of these
+    strings; ``grammar``: an EBNF grammar (xgrammar / GBNF syntax); ``json_object``: any JSON object.
+    Compiled by ``paged_runtime.structured_output`` (xgrammar) when the request is processed, so an
+    invalid schema, regex or grammar is a ``ParameterError`` before any compute.
+    """
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ParameterError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                                 f"json_object; got {kinds or 'none'}", "structured_outputs", INVALID_VALUE)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ParameterError("structured_outputs choice must be a non-empty list of non-empty strings",
+                                 "structured_outputs", INVALID_VALUE)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+
 class ParameterError(ValueError):
     """A request parameter that cannot be served; ``param`` names the field as clients spell it.
 
@@ -84,6 +114,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (each word's last token blocked after its prefix)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: up to max_model_len)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -59,6 +59,17 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Structured outputs: vLLM's field (json / regex / choice / grammar / json_object) and its older spellings.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -105,8 +116,29 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = None
 
 
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -116,8 +148,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
