@@ -123,10 +123,13 @@ def test_partial_marker_len_is_the_longest_tail_that_starts_the_marker():
     assert partial_marker_len("<tool_call>", "<tool_call>") == 0  # a whole marker is found, not held
 
 
+BAD_OUTPUTS = ("<tool_call>", "[TOOL_CALLS][[[", "{" * 5000, "}{", "<|python_tag|>", '{"name": 3}', "\x00",
+               "[TOOL_CALLS]" + "[" * 100_000, '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>")
+
+
 def test_a_parser_never_raises_on_its_input(caplog):
     for name in TOOL_PARSERS:
-        for text in ("<tool_call>", "[TOOL_CALLS][[[", "{" * 5000, "}{", "[TOOL_CALLS]" + "[" * 100_000,
-                     '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>", "<|python_tag|>", '{"name": 3}', "\x00"):
+        for text in BAD_OUTPUTS:
             result = get_tool_parser(name).extract(text)
             assert result.tool_calls == [] and result.content == text
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # handled as text, not as a parser bug
@@ -137,3 +140,9 @@ def test_an_unknown_parser_name_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown tool call parser 'pythonic'; known: hermes, llama3_json, mistral"):
         get_tool_parser("pythonic")
     assert get_tool_parser("hermes", tokenizer="tok").tokenizer == "tok"
+
+
+def test_each_parser_names_its_markers_so_the_route_can_keep_special_tokens():
+    assert {name: cls.markers for name, cls in TOOL_PARSERS.items()} == {
+        "hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",),
+        "mistral": ("[TOOL_CALLS]", "[ARGS]")}

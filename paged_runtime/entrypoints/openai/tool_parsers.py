@@ -135,6 +135,10 @@ class ToolParser:
     """Base: ``extract`` for a whole response, ``stream`` for deltas; a format implements ``_scan``."""
 
     name: ClassVar[str] = ""
+    # The format's markers. Some vocabularies make them special tokens (Mistral's [TOOL_CALLS],
+    # Llama's <|python_tag|>), so the route decodes with skip_special_tokens=False while tools are
+    # on, as vLLM's parsers ask in adjust_request; otherwise the marker never reaches the parser.
+    markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tokenizer: Any = None):
         self.tokenizer = tokenizer  # vLLM's parsers take one; the text formats here do not need it
@@ -198,6 +202,7 @@ class ToolStream:
 class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN, CLOSE)
 
     def _scan(self, text: str, start: int, final: bool) -> tuple[list, int]:
         pieces, pos = [], start
@@ -226,6 +231,7 @@ class HermesToolParser(ToolParser):
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
+    markers = (PYTHON_TAG,)
 
     def _scan(self, text: str, start: int, final: bool) -> tuple[list, int]:
         if start > 0:  # content was released: the output is not a call, all of it is content
@@ -247,6 +253,7 @@ class Llama3JsonToolParser(ToolParser):
 class MistralToolParser(ToolParser):
     name = "mistral"
     MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    markers = (MARKER, ARGS)
 
     def _scan(self, text: str, start: int, final: bool) -> tuple[list, int]:
         marker_at = text.find(self.MARKER, start)
