@@ -38,6 +38,8 @@ CASES = {
         ('<tool_call>{"arguments": {}}</tool_call>', [], '<tool_call>{"arguments": {}}</tool_call>'),
         ('<tool_call>{"name": "a", "arguments": "not json"}</tool_call>', [],
          '<tool_call>{"name": "a", "arguments": "not json"}</tool_call>'),
+        ('<tool_call>{"name": "a", "arguments": "[1, 2]"}</tool_call>', [],  # JSON, but not an object
+         '<tool_call>{"name": "a", "arguments": "[1, 2]"}</tool_call>'),
         ("", [], None),
         ("   \n", [], None),
     ],
@@ -124,7 +126,8 @@ def test_partial_marker_len_is_the_longest_tail_that_starts_the_marker():
 
 
 BAD_OUTPUTS = ("<tool_call>", "[TOOL_CALLS][[[", "{" * 5000, "}{", "<|python_tag|>", '{"name": 3}', "\x00",
-               "[TOOL_CALLS]" + "[" * 100_000, '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>")
+               "[TOOL_CALLS]" + "[" * 100_000, '[TOOL_CALLS]f[ARGS]"' + "[" * 100_000 + '"',  # too deep
+               '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>")
 
 
 def test_a_parser_never_raises_on_its_input(caplog):

@@ -91,7 +91,7 @@ def _arguments_text(arguments: Any) -> str | None:
     if isinstance(arguments, str):
         try:
             return arguments if isinstance(json.loads(arguments), dict) else None
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return None
 
@@ -106,8 +106,8 @@ def call_from_object(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "p
 
 
 def _decode_all(text: str, separator: str = "") -> list[Any] | None:
-    """The JSON values ``text`` holds one after another (whitespace, and ``separator`` if given, between
-    them), or None when anything else is there or there is no value at all."""
+    """The JSON values ``text`` holds (whitespace around them, ``separator`` between them; with no
+    separator exactly one value), or None when anything else is there or there is no value at all."""
     decoder, values, pos = json.JSONDecoder(), [], 0
     while True:
         while pos < len(text) and text[pos].isspace():
@@ -225,7 +225,7 @@ class HermesToolParser(ToolParser):
     @staticmethod
     def _call(body: str) -> ToolCall | None:
         values = _decode_all(body)
-        return call_from_object(values[0]) if values and len(values) == 1 else None
+        return call_from_object(values[0]) if values else None
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -275,11 +275,10 @@ class MistralToolParser(ToolParser):
             if not part.lstrip().startswith(("[", "{")) and self.ARGS in part:
                 name, _, arguments = part.partition(self.ARGS)
                 values = _decode_all(arguments)
-                found = [call_from_object({"name": name.strip(), "arguments": values[0]})] if (
-                    values and len(values) == 1) else [None]
+                found = [call_from_object({"name": name.strip(), "arguments": values[0]}) if values else None]
             else:
                 values = _decode_all(part)
-                value = values[0] if values and len(values) == 1 else None
+                value = values[0] if values else None
                 found = [call_from_object(v) for v in (value if isinstance(value, list) else [value])]
             if not found or not all(found):
                 return None
