@@ -35,7 +35,7 @@ from kserve_adapter.args import parse_args
 from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, is_openai_path, mount_openai_routes
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
-from paged_runtime.entrypoints.cli import API_KEY_ENV, engine_config, make_engine
+from paged_runtime.entrypoints.cli import API_KEY_ENV, chat_options, engine_config, make_engine
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
 from paged_runtime.entrypoints.openai.errors import payload_too_large
 from paged_runtime.entrypoints.openai.serving import RequestLimits
@@ -187,7 +187,7 @@ def edge_options(args) -> dict:
     """``build_app``'s HTTP-edge keywords from the shared runtime flags (as ``paged-runtime serve`` passes them)."""
     return {"allowed_origins": args.allowed_origins, "max_request_body_bytes": args.max_request_body_bytes,
             "max_prompts_per_request": args.max_prompts_per_request,
-            "metrics_require_api_key": args.metrics_require_api_key}
+            "metrics_require_api_key": args.metrics_require_api_key, "chat_options": chat_options(args)}
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:

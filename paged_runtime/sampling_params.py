@@ -60,6 +60,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    any_whitespace: bool = False  # JSON: free whitespace between tokens (vLLM's disable_any_whitespace=False)
+    # Not part of the constraint: it applies only after the output contains these tokens (a reasoning
+    # parser's end marker, e.g. ``</think>``), so a model reasons freely first. Empty: from the first token.
+    after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

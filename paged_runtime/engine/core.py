@@ -27,6 +27,7 @@ from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.speculator import Speculator
+from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.kv_budget import free_memory, num_kv_blocks
 from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, TokenLogprobs, allocate_kv_caches
@@ -135,6 +136,11 @@ class EngineCore:
             raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the "
                              f"target's ({target.vocab_size}); speculative decoding needs the same tokenizer")
         return load_model(path, self.max_model_len, self.dtype, self.device, self.ops)
+
+    def use_grammars(self, grammars: GrammarBackend) -> None:
+        """Structured-output constraints compile with ``grammars`` (built once the tokenizer is loaded);
+        until then a constrained request cannot be set up."""
+        self.runner.states.grammars = grammars
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

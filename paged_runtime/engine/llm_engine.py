@@ -40,6 +40,7 @@ from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
+from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from paged_runtime.request import Request, RequestStatus, child_request_id
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -82,11 +83,13 @@ class LLMEngine:
         model_config = ModelConfig.from_folder(self.model_path)
         self.core = EngineCore(config, self.model_path, model_config)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
+        self.grammars = GrammarBackend(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
+        self.core.use_grammars(self.grammars)
         self.max_model_len = self.core.max_model_len
         self._processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
                                     config.max_num_seqs, max_stop_strings=config.max_stop_strings,
-                                    max_stop_string_length=config.max_stop_string_length)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
+                                    max_stop_string_length=config.max_stop_string_length, grammars=self.grammars)
         self.states: dict[str, RequestState] = {}  # by internal group id
         self._group_ids: dict[str, str] = {}  # caller's request id -> internal group id
         self._arrivals = itertools.count()

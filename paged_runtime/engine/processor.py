@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from paged_runtime.config import DEFAULT_MAX_STOP_STRING_LENGTH, DEFAULT_MAX_STOP_STRINGS
 from paged_runtime.sampling_params import ParameterError, SamplingParams
+from paged_runtime.structured_output.backend import GrammarBackend
 
 PromptType = str | dict | list[int]
 
@@ -49,7 +50,8 @@ class ProcessedPrompt:
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int, *,
                  max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
-                 max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH) -> None:
+                 max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH,
+                 grammars: GrammarBackend | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -57,6 +59,7 @@ class Processor:
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_length = max_stop_string_length
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
+        self.grammars = grammars
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """The prompt's token ids and its output budget (max_tokens clamped to the room left in the context)."""
@@ -104,6 +107,10 @@ class Processor:
         if len(longest) > self.max_stop_string_length:
             raise ParameterError(f"stop string of {len(longest)} characters; this server allows at most "
                                  f"{self.max_stop_string_length}", "stop")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ParameterError("structured outputs are not available on this engine", "structured_outputs")
+            self.grammars.compile(params.structured_outputs)  # cached: the runner's lookup is then a hit
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

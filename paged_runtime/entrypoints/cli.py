@@ -16,6 +16,9 @@ import sys
 logger = logging.getLogger("paged_runtime.serve")
 
 API_KEY_ENV = "PAGED_RUNTIME_API_KEY"
+# The parsers' names, spelled out so --help needs no import of the routes (tested against their registries).
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -87,6 +90,12 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                         help="most stop strings one request may send (each is matched after every token)")
     server.add_argument("--max-stop-string-length", type=positive_int, default=512,
                         help="longest stop string a request may send, in characters")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": parse tool calls out of the output with --tool-call-parser')
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
+                        help="the model's tool-call format (hermes: Hermes / Qwen <tool_call>; llama3_json; mistral)")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSER_NAMES),
+                        help="split <think>...</think> into reasoning_content; constraints apply after it")
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     server.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -121,6 +130,12 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig.from_attributes(args, served_model_name=served_model_names(args)[0])
 
 
+def chat_options(args: argparse.Namespace):
+    """The chat route's tool and reasoning settings from the flags."""
+    from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
+    return ChatOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+
+
 def served_model_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
@@ -134,6 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        chat_options(args)  # a parser flag that cannot work fails before the model loads
         engine = make_engine(config, args)
     except (ValueError, RuntimeError) as e:
         print(f"paged-runtime serve: error: {e}", file=sys.stderr)
@@ -166,6 +182,7 @@ def serve_http(engine, args: argparse.Namespace) -> None:
     names = served_model_names(args)
     drain = Drain()
     app = build_app(engine, names, api_key=api_key, model_root=engine.model_root, drain=drain,
+                    chat_options=chat_options(args),
                     allowed_origins=args.allowed_origins, max_request_body_bytes=args.max_request_body_bytes,
                     max_prompts_per_request=args.max_prompts_per_request,
                     metrics_require_api_key=args.metrics_require_api_key)

@@ -1,5 +1,7 @@
 """Turns the logits of the sampled rows into next tokens, batched, in vLLM's order.
 
+0. structured-output token bitmasks (disallowed tokens to -inf), where vLLM applies its grammar
+   bitmask: before the sampler, so even raw logprobs are those of the constrained distribution;
 1. raw logprobs (log_softmax of the model's logits) for the rows that ask;
 2. logit bias, and min_tokens (EOS and stop tokens masked until reached);
 3. penalties: repetition over prompt + output, presence / frequency over output;
@@ -51,6 +53,8 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     num_logprobs: int | None = None  # top-k to gather for the rows that asked (max over them)
     logprob_rows: torch.Tensor | None = None  # [L] the rows that asked; None = every row
+    # Structured outputs: (constrained rows, int32 bitmask [N, ceil(V / 32)], xgrammar's layout).
+    grammar_bitmask: tuple[list[int], torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +64,18 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # [N] its rank (1 = most likely)
     top_ids: torch.Tensor | None = None  # [N, k]
     top_logprobs: torch.Tensor | None = None  # [N, k]
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """In place: -inf on every token whose bit is clear in its row's mask (``bitmask[r]`` for ``logits[r]``),
+    for the listed rows only. Bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
+    if not rows:
+        return
+    at = torch.tensor(rows, device=logits.device)
+    words = bitmask[at].to(logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
@@ -132,6 +148,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         source = logits
         logits = logits.float()
+        if meta.grammar_bitmask is not None:
+            if logits.data_ptr() == source.data_ptr():
+                logits = logits.clone()  # the caller's tensor stays untouched
+            apply_token_bitmask(logits, *meta.grammar_bitmask)
         raw_logprobs = None
         if meta.num_logprobs is not None:
             asked = logits if meta.logprob_rows is None else logits[meta.logprob_rows]

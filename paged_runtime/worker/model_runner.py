@@ -27,9 +27,10 @@ from paged_runtime.batch import BatchItem, StepItem, build_batch, layout_order
 from paged_runtime.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from paged_runtime.layers.attention import bind_kv_caches
 from paged_runtime.worker.sampling_metadata import build_sampling_metadata
-from paged_runtime.sample.sampler import Sampler, SamplerOutput
+from paged_runtime.sample.sampler import Sampler, SamplerOutput, apply_token_bitmask
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow
+from paged_runtime.worker.grammar_masks import GrammarMaskFiller, GrammarMasks
 from paged_runtime.utils.cpu import huge_page_zeros, keep_freed_memory_mapped
 from paged_runtime.worker.cuda_graphs import DecodeGraphs
 from paged_runtime.worker.request_states import CachedRequest, RequestStates
@@ -91,6 +92,7 @@ class ModelRunner:
             keep_freed_memory_mapped()
         self.kv_caches = allocate_kv_caches(model, num_blocks * block_size, dtype, device)
         self.states = RequestStates(max_blocks_per_request, c.vocab_size, device)
+        self.grammar_masks = GrammarMaskFiller(c.vocab_size)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.drafter = drafter
@@ -116,17 +118,22 @@ class ModelRunner:
             self.drafter.propose(items, spec_rows, self.forward, self.sampler.generator)
             for k, row in spec_rows.items():
                 items[k].spec_token_ids = row.drafts
-        hidden, ends = self._run(items)
-        result = RunnerOutput([[] for _ in items], [None] * len(items), [None] * len(items))
         sampling = [k for k, s in enumerate(items) if s.samples and not s.num_spec]
+        requests = [self.states[items[k].request_id] for k in sampling]
+        filling = self.grammar_masks.start(requests, [(self.states[items[k].request_id], row.drafts)
+                                                      for k, row in spec_rows.items()])
+        hidden, ends = self._run(items)  # the masks fill meanwhile
+        masks = filling.result() if filling is not None else None
+        result = RunnerOutput([[] for _ in items], [None] * len(items), [None] * len(items))
         if sampling:
-            requests = [self.states[items[k].request_id] for k in sampling]
             meta = build_sampling_metadata(requests, self.states)
+            if masks is not None and masks.sample_rows:
+                meta.grammar_bitmask = (masks.sample_rows, masks.sample)
             rows = torch.as_tensor(ends[sampling] - 1, device=self.device)
             sampled = self.sampler(self.model.compute_logits(hidden[rows]), meta)
             self._store_samples(result, sampling, requests, sampled)
         if spec_rows:
-            self._verify(items, spec_rows, hidden, ends, result)
+            self._verify(items, spec_rows, hidden, ends, result, masks)
         for k, s in enumerate(items):
             state = self.states[s.request_id]
             state.write_tokens(s.start + s.num_new_tokens, result.token_ids[k])
@@ -203,14 +210,18 @@ class ModelRunner:
         return SpecRow(0, list(s.spec_token_ids), None, p.temperature, p.top_k, p.top_p, p.min_p, state.generator)
 
     def _verify(self, items: list[StepItem], spec_rows: dict[int, SpecRow], hidden: torch.Tensor,
-                ends: np.ndarray, result: RunnerOutput) -> None:
-        """Score each speculating request's last token and drafts; keep what the rejection sampler accepts."""
+                ends: np.ndarray, result: RunnerOutput, masks: GrammarMasks | None) -> None:
+        """Score each speculating request's last token and drafts; keep what the rejection sampler accepts.
+        A constrained request's positions are masked first, so a draft its grammar refuses is rejected."""
         spans, first = [], 0
         for k, row in spec_rows.items():
             span = np.arange(ends[k] - items[k].num_spec - 1, ends[k])
             spans.append(span)
             row.first_row, first = first, first + len(span)
         logits = self.model.compute_logits(hidden[torch.as_tensor(np.concatenate(spans), device=self.device)])
+        if masks is not None and masks.spec_rows:
+            logits = logits.float()
+            apply_token_bitmask(logits, masks.spec_rows, masks.spec)
         emitted = self.rejection_sampler(logits, list(spec_rows.values()))
         for (k, row), tokens in zip(spec_rows.items(), emitted):
             result.token_ids[k] = tokens

@@ -24,6 +24,8 @@ import torch
 
 from paged_runtime.core.scheduler_output import NewRequestData
 from paged_runtime.sampling_params import SamplingParams, sequence_seed
+from paged_runtime.structured_output.backend import GrammarBackend
+from paged_runtime.structured_output.grammar import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class CachedRequest:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     output_counts: OutputCounts | None  # only when the request has penalties
+    grammar: RequestGrammar | None = None  # only when the request's output is constrained
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,6 +69,8 @@ class CachedRequest:
         for position, token_id in enumerate(token_ids, start):
             if position < known:
                 if self.token_ids[position] != token_id:
+                    if self.grammar is not None:
+                        self.grammar.rewind(position)
                     self._count(self.token_ids[position], position, -1)
                     self.token_ids[position] = token_id
                     self._count(token_id, position, 1)
@@ -79,8 +84,10 @@ class CachedRequest:
 
 
 class RequestStates:
-    def __init__(self, max_blocks_per_request: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_blocks_per_request: int, vocab_size: int, device: torch.device,
+                 grammars: GrammarBackend | None = None) -> None:
         self.requests: dict[str, CachedRequest] = {}
+        self.grammars = grammars
         self.device, self.vocab_size = device, vocab_size
         self.free_rows: list[int] = []
         self.block_tables = np.zeros((0, max_blocks_per_request), np.int32)
@@ -100,7 +107,8 @@ class RequestStates:
         if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i (wrapped, never overflows)
             generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
         counts = OutputCounts() if p.has_penalties else None
-        state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts)
+        state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
+                              self._grammar(p))
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)
@@ -113,6 +121,16 @@ class RequestStates:
         self.num_blocks[row] = 0
         self.requests[new.request_id] = state
         return state
+
+    def _grammar(self, p: SamplingParams) -> RequestGrammar | None:
+        """A fresh matcher for a constrained request (its history is fed at its first sampling step)."""
+        constraint = p.structured_outputs
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs needs a grammar backend; this runner has none")
+        matcher = self.grammars.matcher(self.grammars.compile(constraint))
+        return RequestGrammar(matcher, tuple(constraint.after_token_ids or ()))
 
     def remove(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)

@@ -112,6 +112,8 @@ FORBIDDEN = {
     "spec_decode": ("core", "engine", "worker", "entrypoints"),
     "models": ("worker", "engine", "core", "entrypoints", "attention"),
     "worker": ("engine", "entrypoints"),
+    "structured_output": ("models", "worker", "engine", "core", "entrypoints", "attention", "layers", "kernels",
+                          "sample"),
 }
 
 

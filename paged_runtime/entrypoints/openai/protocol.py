@@ -5,8 +5,8 @@ runtime's (``n`` and ``best_of`` up to 128, ``temperature`` up to 2, logit
 bias values within 100); every other range is ``SamplingParams``'s, checked
 once when the routes build it, so no rule lives in two places.
 
-Fields OpenAI defines but this runtime cannot honour (tools, JSON output,
-audio, ...) are accepted by the parser and refused by ``unsupported()`` with
+Fields OpenAI defines but this runtime cannot honour (audio, predicted
+outputs, ...) are accepted by the parser and refused by ``unsupported()`` with
 a 400 that names them. Unknown fields are ignored, as vLLM does, so newer
 clients keep working.
 """
@@ -164,15 +164,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of the first field this runtime cannot honour, or None."""
-        not_yet = "is not supported yet: this runtime has no structured output or tool calling"
+        deprecated = "is OpenAI's deprecated spelling and not supported: use tools and tool_choice"
         checks = [
-            ("tools", bool(self.tools), f"tools {not_yet}"),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), f"tool_choice {not_yet}"),
-            ("functions", bool(self.functions), f"functions {not_yet}"),
-            ("function_call", self.function_call not in (None, "none", "auto"), f"function_call {not_yet}"),
-            ("response_format", self.response_format is not None and self.response_format.type != "text",
-             f"response_format {self.response_format and self.response_format.type!r} {not_yet}; "
-             "only {'type': 'text'} is accepted"),
+            ("functions", bool(self.functions), f"functions {deprecated}"),
+            ("function_call", self.function_call not in (None, "none", "auto"), f"function_call {deprecated}"),
             ("audio", self.audio is not None, "audio output is not supported: this model only writes text"),
             ("modalities", any(m != "text" for m in self.modalities or []),
              "only the 'text' modality is supported"),

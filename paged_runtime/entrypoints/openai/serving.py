@@ -30,7 +30,7 @@ from paged_runtime.engine.processor import ProcessedPrompt, PromptType, check_pr
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
 from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_runtime.sampling_params import ParameterError, SamplingParams
+from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
 # A 128k-token context is ~0.5 MB as text and ~1 MB as JSON token ids: 16 MiB holds a full-context
@@ -117,7 +117,8 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, *,
                         best_of: int | None = None, prompt_logprobs: int | None = None,
-                        fields: dict[str, str] | None = None) -> SamplingParams:
+                        fields: dict[str, str] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams from the request; a value SamplingParams rejects is a 400 naming its field.
 
         ``fields``: the request's name for a SamplingParams field where the route spells it differently
@@ -135,25 +136,28 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens)
+                spaces_between_special_tokens=req.spaces_between_special_tokens, structured_outputs=structured_outputs)
         except ParameterError as e:
             raise from_parameter_error(e, (fields or {}).get(e.param)) from e
 
-    async def process_off_loop(self, prompt: PromptType, params: SamplingParams, prompt_param: str) -> ProcessedPrompt:
+    async def process_off_loop(self, prompt: PromptType, params: SamplingParams, prompt_param: str,
+                               constraint_param: str | None = None) -> ProcessedPrompt:
         """``process`` on the tokenizer worker, with the worker's tokenizer: what the routes use."""
-        return await self.tokenizer_worker.run(self.process, prompt, params, prompt_param, True)
+        return await self.tokenizer_worker.run(self.process, prompt, params, prompt_param, True, constraint_param)
 
     def process(self, prompt: PromptType, params: SamplingParams, prompt_param: str,
-                on_worker: bool = False) -> ProcessedPrompt:
-        """Tokenize and validate one prompt on the calling thread; prompt + max_tokens beyond the context is
-        a 400 naming both. ``on_worker``: called on the tokenizer worker, which tokenizes a text prompt (the
-        engine's ``process`` then only checks token ids)."""
+                on_worker: bool = False, constraint_param: str | None = None) -> ProcessedPrompt:
+        """Tokenize and validate one prompt on the calling thread (the output constraint is compiled here);
+        prompt + max_tokens beyond the context is a 400 naming both. ``on_worker``: called on the tokenizer
+        worker, which tokenizes a text prompt (the engine's ``process`` then only checks token ids).
+        ``constraint_param``: the request field the constraint came from, named by a compile error."""
         if isinstance(prompt, str) and on_worker:
             prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer_worker.encode(prompt, prompt_param)}
         try:
             processed = self.engine.process(prompt, params)
         except ParameterError as e:
-            raise from_parameter_error(e, prompt_param if e.param == "prompt" else None) from e
+            renamed = {"prompt": prompt_param, "structured_outputs": constraint_param}.get(e.param)
+            raise from_parameter_error(e, renamed) from e
         num_prompt, limit = len(processed.token_ids), self.engine.max_model_len
         if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
             where = "messages" if prompt_param == "messages" else "prompt"

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from paged_runtime.engine.client import RequestStream
+from paged_runtime.entrypoints.openai.constraints import request_constraint
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import CompletionRequest
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect_deltas,
@@ -57,8 +58,10 @@ class CompletionServing(OpenAIServing):
         if req.stream and req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n when streaming", param="best_of")
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        constraint, source = request_constraint(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
-                                      prompt_logprobs=echo_logprobs)
+                                      prompt_logprobs=echo_logprobs, fields={"structured_outputs": source},
+                                      structured_outputs=constraint)
         # Each step's delta, never a copy of the sequence; whole responses put the deltas together (not
         # FINAL_ONLY: the step loop takes its time-to-first-token and inter-token metrics from each output).
         # best_of > n cannot stream (refused above) and has no deltas: its whole response comes at the end.
@@ -68,7 +71,7 @@ class CompletionServing(OpenAIServing):
         if len(prompts) > self.limits.max_prompts_per_request:
             raise bad_request(f"prompt holds {len(prompts)} prompts; this server takes at most "
                               f"{self.limits.max_prompts_per_request} per request", param="prompt")
-        processed = [await self.process_off_loop(p, params, "prompt") for p in prompts]
+        processed = [await self.process_off_loop(p, params, "prompt", source) for p in prompts]
         request_id = new_id("cmpl")
         streams = self.submit(request_id, processed, params, req)
         if req.stream:
