@@ -54,6 +54,7 @@ class CachedRequest:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     output_counts: OutputCounts | None  # only when the request has penalties
+    blocked: torch.Tensor | None = None  # [V] bool on the device, True off allowed_token_ids; None: no such list
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,7 +101,8 @@ class RequestStates:
         if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i (wrapped, never overflows)
             generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
         counts = OutputCounts() if p.has_penalties else None
-        state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts)
+        state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
+                              self._blocked(p.allowed_token_ids))
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)
@@ -113,6 +115,14 @@ class RequestStates:
         self.num_blocks[row] = 0
         self.requests[new.request_id] = state
         return state
+
+    def _blocked(self, allowed_token_ids: list[int] | None) -> torch.Tensor | None:
+        """The tokens outside ``allowed_token_ids`` (built once per request, stacked per step)."""
+        if allowed_token_ids is None:
+            return None
+        blocked = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
+        blocked[torch.tensor(allowed_token_ids, dtype=torch.long, device=self.device)] = False
+        return blocked
 
     def remove(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
