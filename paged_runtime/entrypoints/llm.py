@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -28,6 +28,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's recommended sampling (its generation_config.json, unless the engine was built with
+        ``generation_config="vllm"``) over SamplingParams' own defaults; what ``generate`` and ``chat`` use
+        when given no ``sampling_params``."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their KV)."""
         self.engine.reset_prefix_cache()
@@ -39,7 +45,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), self.get_default_sampling_params)
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
@@ -102,9 +108,10 @@ def _final_only(params: list[SamplingParams]) -> dict[int, SamplingParams]:
     return {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,
+                default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:
