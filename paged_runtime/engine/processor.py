@@ -39,6 +39,15 @@ def check_prompt_chars(text: str, limit: int) -> None:
                              f"max_model_len ({limit} characters at most)", "prompt")
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ParameterError unless ``logprobs`` and ``prompt_logprobs`` are within the engine's ``max_logprobs``
+    (the routes run it too, where they can name the field as the client spelled it)."""
+    for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise ParameterError(f"{name} must be at most this server's max_logprobs ({max_logprobs}), got {value}",
+                                 name, INVALID_VALUE)
+
+
 @dataclass(slots=True)
 class ProcessedPrompt:
     prompt: str | None
@@ -127,10 +136,7 @@ class Processor:
         return k
 
     def _check_params(self, params: SamplingParams) -> None:
-        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if value is not None and value > self.max_logprobs:
-                raise ParameterError(f"{name} must be at most this server's max_logprobs ({self.max_logprobs}), "
-                                     f"got {value}", name, INVALID_VALUE)
+        check_logprobs(params, self.max_logprobs)
         if params.allowed_token_ids is not None and not params.allowed_token_ids:
             raise ParameterError("allowed_token_ids must not be empty", "allowed_token_ids", INVALID_VALUE)
         if params.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in params.bad_words):

@@ -16,6 +16,7 @@ from kserve_adapter.args import build_parser, parse_args, resolve_model
 from kserve_adapter.model import LOAD_GATE_ENV, PagedRuntimeModel
 from kserve_adapter.protocol import PromptRequest, v1_prepare, v2_fields, v2_texts
 from kserve_adapter.server import add_engine_error_handlers
+from paged_runtime.config import EngineConfig
 from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
 
 RUNTIME_FLAGS = ["--served-model-name", "--api-key", "--max-waiting-requests", "--dtype", "--device", "--max-model-len",
@@ -72,6 +73,7 @@ def test_resolve_model_from_model_dir(tmp_path):
 # ---- the model's engine lifecycle ----------------------------------------------------------------
 class FakeEngine:
     max_model_len = 64
+    config = EngineConfig()
     default_sampling: dict = {}
     is_healthy = True
     tokenizer = None  # the serving objects take their own copy of it
