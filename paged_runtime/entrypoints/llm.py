@@ -63,18 +63,22 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them."""
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (or ``chat_template``, Jinja text, as vLLM's) to one conversation
+        or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self._apply_template(c, add_generation_prompt, chat_template_kwargs)}
+        prompts = [{"prompt_token_ids": self._apply_template(c, add_generation_prompt, chat_template_kwargs,
+                                                             chat_template)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool, kwargs: dict | None,
+                        chat_template: str | None) -> list[int]:
         tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
+        if not (chat_template or tokenizer.chat_template):
             raise ValueError("this model's tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         return tokenizer.encode(text, add_special_tokens=False)
 

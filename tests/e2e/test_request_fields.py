@@ -131,3 +131,10 @@ def test_llm_uses_the_recommended_defaults_when_given_no_params(recommending_dir
     plain = make_llm(recommending_dir, max_model_len=64, max_num_seqs=4, kv_cache_memory=4 * 2**20,
                      generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_llm_chat_takes_a_chat_template(tiny):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    [out] = tiny.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=1), use_tqdm=False,
+                      chat_template=template)
+    assert out.prompt_token_ids == tiny.get_tokenizer().encode("<user>hi", add_special_tokens=False)
