@@ -435,3 +435,12 @@ def test_huggingfaceserver_arguments_this_runtime_cannot_serve_exit_2(argv, mess
         parse_args(["--model_name", "m", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_prompt_logprobs_are_refused_on_the_kserve_routes_that_cannot_return_them():
+    engine = PredictEngine()
+    model = started_model(engine)
+    with pytest.raises(InvalidInput, match="instances\\[0\\]: prompt_logprobs are not returned by the KServe "
+                                           "inference routes; use /openai/v1/completions for that"):
+        asyncio.run(model.predict({"instances": [{"prompt": [1], "prompt_logprobs": 1}]}))
+    assert engine.submitted == []

@@ -179,6 +179,13 @@ def test_vllm_fields_this_server_does_not_implement_are_refused(tiny_server, pat
         400, field, "unsupported_parameter")
 
 
+def test_continuous_usage_stats_is_refused(tiny_server):
+    body = {"prompt": PROMPT, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert error_of(post(tiny_server, "/v1/completions", body)) == (
+        400, "stream_options.continuous_usage_stats", "unsupported_parameter")
+
+
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "use_beam_search", False), ("/v1/completions", "length_penalty", 1.0),
     ("/v1/completions", "add_special_tokens", True), ("/v1/chat/completions", "add_special_tokens", False),

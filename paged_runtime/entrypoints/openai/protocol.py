@@ -40,6 +40,7 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # accepted; no obfuscation field is ever sent
+    continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (see check_common)
 
 
 def _set(value: Any) -> bool:

@@ -117,6 +117,10 @@ class OpenAIServing:
             raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            raise bad_request("continuous_usage_stats is not supported: usage comes in one chunk at the end "
+                              "(include_usage)", param="stream_options.continuous_usage_stats",
+                              code="unsupported_parameter")
         if req.priority != 0 and self.engine.config.scheduling_policy != "priority":
             raise bad_request("priority is only honoured with --scheduling-policy priority; this server uses "
                               f"{self.engine.config.scheduling_policy!r}", param="priority")
