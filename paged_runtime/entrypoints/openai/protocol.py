@@ -137,7 +137,7 @@ class SamplingFields(OpenAIModel):
             if len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS:
                 return
             _logged_unknown_fields.add(name)
-            logger.debug("request field %r is not known to this server and is ignored", name)
+            logger.debug("request field %r is not known to this server and is ignored", name[:100])
 
 
 class CompletionRequest(SamplingFields):
