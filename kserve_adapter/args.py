@@ -12,6 +12,16 @@ Which model is served: ``--model PATH`` if given; else ``--model_dir`` (KServe
 passes ``/mnt/models``, where its storage initializer puts ``storageUri``) if
 it holds a model; else the embedded default. A ``--model_dir`` with no model
 in it means the InferenceService gave no ``storageUri``.
+
+huggingfaceserver's arguments are accepted too, so an InferenceService
+written for it runs here unchanged: ``--model_id`` (a local folder: weights
+are never downloaded), ``--max_model_len`` / ``--max_length``,
+``--tensor_parallel_size``, ``--dtype`` and ``--task text_generation`` mean
+what they mean there; the ones this runtime has no use for
+(``HF_UNUSED``: ``--backend``, ``--trust_remote_code``,
+``--disable_lower_case``, ``--return_probabilities``, ...) are logged in
+one warning that names them, never an error. A task other than text
+generation is an error: this runtime cannot serve it.
 """
 from __future__ import annotations
 
@@ -21,9 +31,17 @@ from pathlib import Path
 
 from kserve.model_server import parser as kserve_parser
 
-from paged_runtime.entrypoints.cli import add_runtime_arguments
+from paged_runtime.entrypoints.cli import add_runtime_arguments, positive_int
 
 logger = logging.getLogger("kserve_adapter")
+
+# huggingfaceserver's flags that change nothing here: flag -> its default (a value other than it is warned about).
+HF_UNUSED = {"--model_revision": None, "--tokenizer_revision": None, "--trust_remote_code": False,
+             "--tensor_input_names": None, "--backend": "auto", "--return_token_type_ids": False,
+             "--return_probabilities": False, "--return_raw_logits": False, "--disable_lower_case": False,
+             "--disable_special_tokens": False, "--max_log_len": None}
+_HF_FLAGS = {"--tensor_input_names", "--model_revision", "--tokenizer_revision", "--backend", "--max_log_len"}
+GENERATION_TASKS = ("text_generation",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="0.0.0.0",
                         help="address to bind (KServe's own server always binds 0.0.0.0; 127.0.0.1 for local runs)")
     add_runtime_arguments(parser, server)
+    add_huggingfaceserver_arguments(parser)
     # One HTTP port per pod (the ClusterServingRuntime declares 8080 only); gRPC v2 is opt-in.
     parser.set_defaults(enable_grpc=False)
     return parser
+
+
+def add_huggingfaceserver_arguments(parser: argparse.ArgumentParser) -> None:
+    """huggingfaceserver's spellings (see the module docstring); the ones with a runtime meaning share its dest."""
+    hf = parser.add_argument_group("huggingfaceserver compatibility")
+    hf.add_argument("--model_id", default=None, metavar="PATH", help="as --model (a local folder; never downloaded)")
+    hf.add_argument("--max_model_len", "--max_length", dest="max_model_len", type=positive_int, default=None,
+                    help="as --max-model-len")
+    hf.add_argument("--tensor_parallel_size", dest="tensor_parallel_size", type=positive_int, default=1,
+                    help="as --tensor-parallel-size (only 1)")
+    hf.add_argument("--task", default=None, help="only text_generation is served")
+    hf.add_argument("--disable_log_requests", dest="disable_log_requests", action="store_true",
+                    help="as --disable-log-requests (requests' contents are never logged)")
+    for flag, default in HF_UNUSED.items():
+        dest = flag.lstrip("-")
+        if flag == "--max_log_len":
+            hf.add_argument(flag, "--max-log-len", dest=dest, type=int, default=None, help="ignored here")
+        elif flag in _HF_FLAGS:
+            hf.add_argument(flag, dest=dest, default=default, help="ignored here")
+        else:
+            hf.add_argument(flag, dest=dest, action="store_true", help="ignored here")
+
+
+def warn_unused(args: argparse.Namespace) -> list[str]:
+    """Log one warning naming the huggingfaceserver flags that were set but mean nothing here; returns them."""
+    unused = [flag for flag, default in HF_UNUSED.items()
+              if (value := getattr(args, flag.lstrip("-"))) is not None and value != default]
+    if unused:
+        logger.warning("ignoring huggingfaceserver arguments this runtime does not use: %s", ", ".join(unused))
+    return unused
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,8 +102,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workers != 1:
         parser.error(f"--workers must be 1, got {args.workers}: each worker would load its own copy of the "
                      "model and KV cache; scale with replicas (minReplicas/maxReplicas) instead")
+    if args.task is not None and args.task not in GENERATION_TASKS:
+        parser.error(f"--task {args.task!r} is not served: this runtime does text generation only")
+    if args.model is None and args.model_id is not None:
+        if not Path(args.model_id).expanduser().exists():
+            parser.error(f"--model_id {args.model_id!r} is not a local folder: weights are never downloaded "
+                         "(give the InferenceService a storageUri, mounted at --model_dir)")
+        args.model = args.model_id
     if args.model is not None and not Path(args.model).expanduser().exists():
         parser.error(f"--model {args.model!r} does not exist (weights are never downloaded)")
+    warn_unused(args)
     args.model = resolve_model(args.model, args.model_dir)
     args.served_model_name = args.served_model_name or [args.model_name]
     return args

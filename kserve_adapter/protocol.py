@@ -68,6 +68,8 @@ class PromptRequest(SamplingFields):
             return "stream", f"stream is not supported on the KServe inference routes; {ROUTE_HINT}"
         if self.n != 1:
             return "n", f"n must be 1 on the KServe inference routes (one output per prompt); {ROUTE_HINT}"
+        if self.prompt_logprobs is not None:  # the v1/v2 outputs have no place for them
+            return "prompt_logprobs", f"prompt_logprobs are not returned by the KServe inference routes; {ROUTE_HINT}"
         return None
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,7 @@ from kserve_adapter.args import parse_args
 from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, is_openai_path, mount_openai_routes
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
-from paged_runtime.entrypoints.cli import API_KEY_ENV, chat_options, engine_config, make_engine
+from paged_runtime.entrypoints.cli import api_key, chat_options, engine_config, make_engine
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
 from paged_runtime.entrypoints.openai.errors import payload_too_large
 from paged_runtime.entrypoints.openai.serving import RequestLimits
@@ -187,7 +186,8 @@ def edge_options(args) -> dict:
     """``build_app``'s HTTP-edge keywords from the shared runtime flags (as ``paged-runtime serve`` passes them)."""
     return {"allowed_origins": args.allowed_origins, "max_request_body_bytes": args.max_request_body_bytes,
             "max_prompts_per_request": args.max_prompts_per_request,
-            "metrics_require_api_key": args.metrics_require_api_key, "chat_options": chat_options(args)}
+            "metrics_require_api_key": args.metrics_require_api_key, "chat_template": args.chat_template,
+            "chat_options": chat_options(args)}
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -211,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args)
     model = build_model(args, config)
     model.load()
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key, **edge_options(args)))
+    mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key(args), **edge_options(args)))
     add_engine_error_handlers(kserve_app)
     install_body_limit(kserve_app, args.max_request_body_bytes)
     server.install_drain(kserve_app)  # outermost: a draining server refuses before reading any body

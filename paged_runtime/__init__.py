@@ -16,6 +16,7 @@ _EXPORTS = {
     "AsyncEngine": "paged_runtime.engine.async_engine",
     "EngineClient": "paged_runtime.engine.client",
     "SamplingParams": "paged_runtime.sampling_params",
+    "StructuredOutputsParams": "paged_runtime.sampling_params",
     "ParameterError": "paged_runtime.sampling_params",
     "BeamSearchParams": "paged_runtime.engine.beam_search",
     "BeamSearchOutput": "paged_runtime.engine.beam_search",
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from paged_runtime.engine.client import EngineClient
     from paged_runtime.entrypoints.llm import LLM
     from paged_runtime.outputs import CompletionOutput, RequestOutput
-    from paged_runtime.sampling_params import ParameterError, SamplingParams
+    from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

@@ -53,6 +53,11 @@ class EngineConfig:
     # Caps on a request's stop strings (each is matched after every token): how many, and how long each.
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH
+    # Most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs), as vLLM's --max-logprobs.
+    max_logprobs: int = 20
+    # Default sampling parameters: "auto" reads the model folder's generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty, max_new_tokens), "vllm" ignores it, a folder path reads that folder's.
+    generation_config: str = "auto"
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} as in vLLM, or its JSON.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Settings whose defaults come from the environment, read here once (not deep in the library):
@@ -68,6 +73,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size", "max_stop_strings", "max_stop_string_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import enum
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20  # OpenAI's cap for top_logprobs
+MAX_LOGPROBS = 20  # the default per-engine cap (vLLM's --max-logprobs); the engine's processor enforces its own
 LOGIT_BIAS_LIMIT = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 INVALID_VALUE = "invalid_value"  # OpenAI's error code for a value outside its field's domain
@@ -122,6 +122,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words never generated (each word's last token blocked after its prefix)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: up to max_model_len)
+    # Set by the engine's processor from ``bad_words`` (each word's token ids, with and without a leading space);
+    # callers leave it None.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,10 +176,11 @@ class SamplingParams:
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
              f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
             ("stop", all(s for s in self.stop), "stop strings must be non-empty"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            # The upper bound is the engine's (max_logprobs), checked by its processor.
+            ("logprobs", self.logprobs is None or self.logprobs >= 0,
+             f"logprobs must be non-negative, got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
         ]
         consistent = [
             ("best_of", self.best_of >= self.n, f"best_of must be at least n ({self.n}), got {self.best_of}"),

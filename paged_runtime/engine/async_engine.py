@@ -272,7 +272,9 @@ class AsyncEngine:
         self._processor = Processor(self.tokenizer, engine.max_model_len, engine.vocab_size, engine.max_num_seqs,
                                     max_stop_strings=engine.config.max_stop_strings,
                                     max_stop_string_length=engine.config.max_stop_string_length,
+                                    max_logprobs=engine.config.max_logprobs,
                                     grammars=engine.grammars)  # thread-safe: compiles are cached for the runner
+        self.default_sampling = dict(engine.default_sampling)
         self._totals = engine.stats()  # counters as of the last pass; each pass reports the difference
 
     # ---- the model, as callers see it -------------------------------------------------------

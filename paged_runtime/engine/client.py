@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from paged_runtime.config import EngineConfig
@@ -84,6 +84,9 @@ class EngineClient(Protocol):
     config: EngineConfig  # as built: model, served_model_name, scheduling_policy, ...
     max_model_len: int
     tokenizer: object  # the caller's side's own copy (chat templates, /tokenize, /detokenize)
+    # SamplingParams field -> default for requests that leave it unset (the model's generation_config.json,
+    # see engine/generation_config.py); "max_tokens" also caps what a request asks for. Empty: none.
+    default_sampling: dict[str, Any]
 
     @property
     def model_root(self) -> str:

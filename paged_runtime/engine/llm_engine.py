@@ -18,7 +18,7 @@ or FINAL_ONLY (one output, at the end). A request the core fails (it can never
 fit the KV cache) ends with ``RequestOutput.error`` and finish_reason "error".
 
 Declared API (what ``LLM`` and ``AsyncEngine`` use): ``config``, ``tokenizer``,
-``max_model_len``, ``model_root``, ``vocab_size``, ``max_num_seqs``,
+``max_model_len``, ``default_sampling``, ``model_root``, ``vocab_size``, ``max_num_seqs``,
 ``process``, ``add_request``, ``abort_request``, ``step``,
 ``has_unfinished_requests``, ``is_scheduled``, ``stats``, ``reconfigure``,
 ``reset_prefix_cache`` and ``beam_search``. ``core`` stays reachable for
@@ -37,6 +37,7 @@ from paged_runtime.config import EngineConfig
 from paged_runtime.engine.beam_search import BeamSearchDriver, BeamSearchParams, BeamSearchSequence
 from paged_runtime.engine.core import CoreStats, EngineCore, StepFailure, StepUpdate
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
+from paged_runtime.engine.generation_config import default_sampling, log_defaults
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
@@ -89,7 +90,11 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self._processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
                                     config.max_num_seqs, max_stop_strings=config.max_stop_strings,
-                                    max_stop_string_length=config.max_stop_string_length, grammars=self.grammars)
+                                    max_stop_string_length=config.max_stop_string_length,
+                                    max_logprobs=config.max_logprobs, grammars=self.grammars)
+        # Field -> value for requests that leave the field unset (the model's generation_config.json).
+        self.default_sampling = default_sampling(self.model_path, config.generation_config)
+        log_defaults(self.default_sampling)
         self.states: dict[str, RequestState] = {}  # by internal group id
         self._group_ids: dict[str, str] = {}  # caller's request id -> internal group id
         self._arrivals = itertools.count()

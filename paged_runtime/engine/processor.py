@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from paged_runtime.config import DEFAULT_MAX_STOP_STRING_LENGTH, DEFAULT_MAX_STOP_STRINGS
-from paged_runtime.sampling_params import ParameterError, SamplingParams
+from paged_runtime.sampling_params import INVALID_VALUE, MAX_LOGPROBS, ParameterError, SamplingParams
 from paged_runtime.structured_output.backend import GrammarBackend
 
 PromptType = str | dict | list[int]
@@ -40,6 +40,15 @@ def check_prompt_chars(text: str, limit: int) -> None:
                              f"max_model_len ({limit} characters at most)", "prompt")
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ParameterError unless ``logprobs`` and ``prompt_logprobs`` are within the engine's ``max_logprobs``
+    (the routes run it too, where they can name the field as the client spelled it)."""
+    for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise ParameterError(f"{name} must be at most this server's max_logprobs ({max_logprobs}), got {value}",
+                                 name, INVALID_VALUE)
+
+
 @dataclass(slots=True)
 class ProcessedPrompt:
     prompt: str | None
@@ -51,8 +60,9 @@ class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int, *,
                  max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
                  max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH,
-                 grammars: GrammarBackend | None = None) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, grammars: GrammarBackend | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
@@ -62,13 +72,18 @@ class Processor:
         self.grammars = grammars
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """The prompt's token ids and its output budget (max_tokens clamped to the room left in the context)."""
+        """The prompt's token ids (its last ``truncate_prompt_tokens`` only, when set) and its output budget
+        (max_tokens clamped to the room left in the context). A truncated prompt's text is dropped: it no longer
+        matches the token ids (echo decodes them instead)."""
         for name, value in (("n", params.n), ("best_of", params.best_of)):  # n first: best_of defaults to it
             if value > self.max_num_seqs:
                 raise ParameterError(f"{name} ({value}) must not exceed this server's max_num_seqs "
                                      f"({self.max_num_seqs})", name)
         self._check_params(params)
         text, token_ids = self._tokenize(prompt)
+        keep = self._truncation(params)
+        if keep is not None and len(token_ids) > keep:
+            text, token_ids = None, token_ids[-keep:]
         self._check_prompt(token_ids)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -88,13 +103,50 @@ class Processor:
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:
         """``params`` as the engine runs them: a top_k at or beyond the vocabulary is no filter (as vLLM),
-        so no step ever sees a top_k that overflows its int64 tensors. A copy, never the caller's object."""
+        so no step ever sees a top_k that overflows its int64 tensors; ``bad_words`` become token id
+        sequences (``bad_words_token_ids``) for the sampler. A copy, never the caller's object."""
+        changes = {}
         if params.top_k >= self.vocab_size:
-            return dataclasses.replace(params, top_k=0)
-        return params
+            changes["top_k"] = 0
+        if params.bad_words and params.bad_words_token_ids is None:
+            changes["bad_words_token_ids"] = self.bad_words_token_ids(params.bad_words)
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's reading of ``bad_words``: each word tokenized as it starts a text and after a space (the
+        same word is a different token sequence mid-sentence), without special tokens; duplicates dropped.
+        The sampler blocks a sequence's last token once the output ends with the tokens before it."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences.setdefault(ids)
+        return [list(ids) for ids in sequences]
+
+    def _truncation(self, params: SamplingParams) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: as many as fit with one
+        output token, max_model_len - 1, as vLLM); None: the whole prompt."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k == -1:
+            return self.max_model_len - 1
+        if k < 1:
+            raise ParameterError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}",
+                                 "truncate_prompt_tokens", INVALID_VALUE)
+        return k
 
     def _check_params(self, params: SamplingParams) -> None:
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        check_logprobs(params, self.max_logprobs)
+        if params.allowed_token_ids is not None and not params.allowed_token_ids:
+            raise ParameterError("allowed_token_ids must not be empty", "allowed_token_ids", INVALID_VALUE)
+        if params.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in params.bad_words):
+            raise ParameterError("bad_words must be non-blank strings", "bad_words", INVALID_VALUE)
+        if params.truncate_prompt_tokens is not None:
+            self._truncation(params)
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ParameterError(f"{name} token id {bad[0]} is out of range for vocabulary size "

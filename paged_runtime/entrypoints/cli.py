@@ -3,19 +3,28 @@
 ``paged-runtime serve [MODEL]`` starts the OpenAI-compatible server with
 vLLM's flag names. MODEL is a Hugging Face folder or a .gguf file; without
 it the embedded SmolLM2-135M-Instruct is served. The API key may also come
-from ``PAGED_RUNTIME_API_KEY``.
+from ``PAGED_RUNTIME_API_KEY`` or, after it, vLLM's ``VLLM_API_KEY``.
+
+vLLM launch lines work as they are: ``--kv-cache-memory-bytes`` is
+``--kv-cache-memory``, ``--allowed-origins`` also takes vLLM's JSON list
+(``'["https://a"]'``), ``--disable-log-requests`` is accepted (this server
+never logs requests' contents), ``--uvicorn-log-level`` sets uvicorn's level
+apart from the runtime's.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 logger = logging.getLogger("paged_runtime.serve")
 
 API_KEY_ENV = "PAGED_RUNTIME_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # read after the project's own variable
 # The parsers' names, spelled out so --help needs no import of the routes (tested against their registries).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
@@ -36,6 +45,47 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def chat_template(text: str) -> str:
+    """``--chat-template``: a file's contents, or the text itself when it is a Jinja template (as vLLM)."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(c in text for c in "{}\n"):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a readable file nor a Jinja template")
+
+
+class ExtendOrigins(argparse.Action):
+    """``--allowed-origins A B`` or vLLM's ``--allowed-origins '["A", "B"]'``: one flat list of origins."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        origins = []
+        for value in values:
+            if value.lstrip().startswith("["):
+                try:
+                    parsed = json.loads(value)
+                except ValueError:
+                    parsed = None
+                if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+                    parser.error(f"{option_string}: {value!r} is not a JSON list of origins")
+                origins += parsed
+            else:
+                origins.append(value)
+        setattr(namespace, self.dest, origins)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PAGED_RUNTIME_API_KEY, else $VLLM_API_KEY; None: no key."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or None
 
 
 def non_negative_float(text: str) -> float:
@@ -61,6 +111,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--uvicorn-log-level", default=None,
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level (its access log is at info); None: --log-level")
     add_runtime_arguments(p, server)
 
 
@@ -72,7 +125,7 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                         help="name(s) clients use for the model; the first one labels the metrics")
     server.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /detokenize "
-                             f"(or set {API_KEY_ENV})")
+                             f"(or set {API_KEY_ENV}, or vLLM's {VLLM_API_KEY_ENV})")
     server.add_argument("--max-waiting-requests", type=positive_int, default=None,
                         help="beyond this many queued requests, answer 503 with Retry-After; None: unbounded")
     server.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
@@ -82,8 +135,18 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                         help="larger request bodies get 413 (e.g. 16MiB: a full-context prompt many times over)")
     server.add_argument("--max-prompts-per-request", type=positive_int, default=256,
                         help="most prompts in one /v1/completions 'prompt' list (each is one engine request)")
-    server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
-                        help="enable CORS for exactly these origins (e.g. https://app.example.com); None: no CORS")
+    server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN", action=ExtendOrigins,
+                        help="enable CORS for exactly these origins (e.g. https://app.example.com, or vLLM's JSON "
+                             "list '[\"https://a\"]'); None: no CORS")
+    server.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE_OR_JINJA",
+                        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    server.add_argument("--max-logprobs", type=non_negative_int, default=20,
+                        help="most logprobs / top_logprobs / prompt_logprobs a request may ask for")
+    server.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="default sampling parameters: 'auto' from the model's generation_config.json, 'vllm' "
+                             "the runtime's own, or a folder holding a generation_config.json")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM launch lines; this server never logs requests' contents")
     server.add_argument("--metrics-require-api-key", action="store_true",
                         help="with --api-key, /metrics needs the key too (default: open for scrapers)")
     server.add_argument("--max-stop-strings", type=positive_int, default=64,
@@ -107,7 +170,7 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
     engine.add_argument("--max-num-seqs", type=positive_int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     engine.add_argument("--block-size", type=positive_int, default=16)
-    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    engine.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
                         help="bytes for the KV cache (e.g. 2GiB); None: a share of free memory")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -178,18 +241,19 @@ def serve_http(engine, args: argparse.Namespace) -> None:
 
     from paged_runtime.entrypoints.openai import build_app
     from paged_runtime.entrypoints.openai.drain import Drain, GracefulShutdown
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    key = api_key(args)
     names = served_model_names(args)
     drain = Drain()
-    app = build_app(engine, names, api_key=api_key, model_root=engine.model_root, drain=drain,
+    app = build_app(engine, names, api_key=key, model_root=engine.model_root, drain=drain,
                     chat_options=chat_options(args),
                     allowed_origins=args.allowed_origins, max_request_body_bytes=args.max_request_body_bytes,
                     max_prompts_per_request=args.max_prompts_per_request,
-                    metrics_require_api_key=args.metrics_require_api_key)
+                    metrics_require_api_key=args.metrics_require_api_key, chat_template=args.chat_template)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d%s)", ", ".join(names), args.host, args.port,
-                engine.max_model_len, ", API key required" if api_key else "")
+                engine.max_model_len, ", API key required" if key else "")
     # Every admitted request has its response by the time uvicorn stops: its own grace is a backstop only.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.uvicorn_log_level or args.log_level,
                                            timeout_keep_alive=5, timeout_graceful_shutdown=5))
     GracefulShutdown(drain, args.shutdown_timeout, engine.shutdown,
                      on_drained=lambda sig: setattr(server, "should_exit", True)).install(server)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -28,6 +28,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's recommended sampling (its generation_config.json, unless the engine was built with
+        ``generation_config="vllm"``) over SamplingParams' own defaults; what ``generate`` and ``chat`` use
+        when given no ``sampling_params``."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their KV)."""
         self.engine.reset_prefix_cache()
@@ -39,7 +45,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), self.get_default_sampling_params)
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
@@ -57,18 +63,22 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them."""
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (or ``chat_template``, Jinja text, as vLLM's) to one conversation
+        or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self._apply_template(c, add_generation_prompt, chat_template_kwargs)}
+        prompts = [{"prompt_token_ids": self._apply_template(c, add_generation_prompt, chat_template_kwargs,
+                                                             chat_template)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool, kwargs: dict | None,
+                        chat_template: str | None) -> list[int]:
         tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
+        if not (chat_template or tokenizer.chat_template):
             raise ValueError("this model's tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         return tokenizer.encode(text, add_special_tokens=False)
 
@@ -102,9 +112,10 @@ def _final_only(params: list[SamplingParams]) -> dict[int, SamplingParams]:
     return {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,
+                default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:

@@ -3,7 +3,9 @@
 0. structured-output token bitmasks (disallowed tokens to -inf), where vLLM applies its grammar
    bitmask: before the sampler, so even raw logprobs are those of the constrained distribution;
 1. raw logprobs (log_softmax of the model's logits) for the rows that ask;
-2. logit bias, and min_tokens (EOS and stop tokens masked until reached);
+2. allowed_token_ids (every other token masked), bad words (a word's last token
+   masked once the output ends with the rest of it), logit bias, and min_tokens
+   (EOS and stop tokens masked until reached);
 3. penalties: repetition over prompt + output, presence / frequency over output;
 4. greedy rows take the argmax here;
 5. temperature, min_p, top-k / top-p;
@@ -48,7 +50,9 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None  # [N] int64, vocab size = off
     top_p: torch.Tensor | None = None  # [N] float32, 1 = off
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off
-    # Sparse additions to the logits: (rows, token ids, values); -inf masks a token.
+    # allowed_token_ids: (rows [A] int64, blocked [A, V] bool: True where the row may not sample the token).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Sparse additions to the logits: (rows, token ids, values); -inf masks a token (bad words, min_tokens).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
     num_logprobs: int | None = None  # top-k to gather for the rows that asked (max over them)
@@ -156,9 +160,12 @@ class Sampler:
         if meta.num_logprobs is not None:
             asked = logits if meta.logprob_rows is None else logits[meta.logprob_rows]
             raw_logprobs = asked.log_softmax(dim=-1)
-        if meta.logit_bias is not None or meta.penalties is not None:
+        if meta.allowed is not None or meta.logit_bias is not None or meta.penalties is not None:
             if logits.data_ptr() == source.data_ptr():
                 logits = logits.clone()  # the caller's tensor stays untouched
+            if meta.allowed is not None:
+                rows, blocked = meta.allowed
+                logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
             if meta.logit_bias is not None:
                 rows, cols, values = meta.logit_bias
                 logits.index_put_((rows, cols), values, accumulate=True)

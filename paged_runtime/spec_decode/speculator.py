@@ -2,7 +2,7 @@
 
 Only plain decodes speculate. Requests whose logits change with every
 preceding token in ways the verification pass does not replay (penalties,
-min_tokens still pending, logit bias) and beam-search sequences decode one
+min_tokens still pending, logit bias, allowed_token_ids, bad_words) and beam-search sequences decode one
 token at a time beside the speculating ones in the same batch.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from paged_runtime.spec_decode.ngram import NgramProposer
 def can_speculate(request: Request) -> bool:
     p = request.params
     return (request.speculative and not p.has_penalties and not p.logit_bias
+            and p.allowed_token_ids is None and not p.bad_words
             and request.num_output_tokens >= p.min_tokens)
 
 

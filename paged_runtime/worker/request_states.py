@@ -57,6 +57,7 @@ class CachedRequest:
     generator: torch.Generator | None
     output_counts: OutputCounts | None  # only when the request has penalties
     grammar: RequestGrammar | None = None  # only when the request's output is constrained
+    blocked: torch.Tensor | None = None  # [V] bool on the device, True off allowed_token_ids; None: no such list
 
     @property
     def num_output_tokens(self) -> int:
@@ -108,7 +109,7 @@ class RequestStates:
             generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
         counts = OutputCounts() if p.has_penalties else None
         state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
-                              self._grammar(p))
+                              self._blocked(p.allowed_token_ids), self._grammar(p))
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)
@@ -131,6 +132,13 @@ class RequestStates:
             raise ValueError("structured_outputs needs a grammar backend; this runner has none")
         matcher = self.grammars.matcher(self.grammars.compile(constraint))
         return RequestGrammar(matcher, tuple(constraint.after_token_ids or ()))
+    def _blocked(self, allowed_token_ids: list[int] | None) -> torch.Tensor | None:
+        """The tokens outside ``allowed_token_ids`` (built once per request, stacked per step)."""
+        if allowed_token_ids is None:
+            return None
+        blocked = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
+        blocked[torch.tensor(allowed_token_ids, dtype=torch.long, device=self.device)] = False
+        return blocked
 
     def remove(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)

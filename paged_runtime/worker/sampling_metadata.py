@@ -28,6 +28,9 @@ def build_sampling_metadata(requests: list[CachedRequest], states: RequestStates
             meta.top_p = tensor(states.top_p)
         if any(p.min_p > 0 for p in params):
             meta.min_p = tensor(states.min_p)
+    limited = [i for i, r in enumerate(requests) if r.blocked is not None]
+    if limited:
+        meta.allowed = (torch.tensor(limited, device=device), torch.stack([requests[i].blocked for i in limited]))
     meta.logit_bias = _logit_bias(requests, device)
     if any(r.output_counts is not None for r in requests):
         meta.penalties = _penalties(requests, device)
@@ -40,13 +43,15 @@ def build_sampling_metadata(requests: list[CachedRequest], states: RequestStates
 
 
 def _logit_bias(requests: list[CachedRequest], device: torch.device):
-    """Sparse (rows, token ids, values): the request's logit_bias, and -inf on EOS / stop
-    tokens while fewer than min_tokens have been generated."""
+    """Sparse (rows, token ids, values): the request's logit_bias, -inf on the bad words' tokens that would
+    complete one, and -inf on EOS / stop tokens while fewer than min_tokens have been generated."""
     rows, cols, values = [], [], []
     for row, request in enumerate(requests):
         p = request.params
         for token_id, bias in (p.logit_bias or {}).items():
             rows.append(row), cols.append(token_id), values.append(bias)
+        for token_id in _bad_word_tokens(request):
+            rows.append(row), cols.append(token_id), values.append(float("-inf"))
         if request.num_output_tokens < p.min_tokens:
             for token_id in sorted(request.eos_token_ids | set(p.stop_token_ids)):
                 rows.append(row), cols.append(token_id), values.append(float("-inf"))
@@ -54,6 +59,21 @@ def _logit_bias(requests: list[CachedRequest], device: torch.device):
         return None
     return (torch.tensor(rows, device=device), torch.tensor(cols, device=device),
             torch.tensor(values, dtype=torch.float32, device=device))
+
+
+def _bad_word_tokens(request: CachedRequest) -> list[int]:
+    """vLLM's bad words: a one-token word is always blocked; a longer one's last token is blocked when the
+    output so far ends with its other tokens (the prompt does not count)."""
+    sequences = request.params.bad_words_token_ids
+    if not sequences:
+        return []
+    tokens, num_output = request.token_ids, request.num_output_tokens
+    blocked = []
+    for ids in sequences:
+        prefix = len(ids) - 1
+        if prefix == 0 or (num_output >= prefix and tokens[len(tokens) - prefix:] == ids[:-1]):
+            blocked.append(ids[-1])
+    return blocked
 
 
 def _penalties(requests: list[CachedRequest], device: torch.device) -> Penalties:

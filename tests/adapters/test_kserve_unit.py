@@ -16,6 +16,7 @@ from kserve_adapter.args import build_parser, parse_args, resolve_model
 from kserve_adapter.model import LOAD_GATE_ENV, PagedRuntimeModel
 from kserve_adapter.protocol import PromptRequest, v1_prepare, v2_fields, v2_texts
 from kserve_adapter.server import add_engine_error_handlers
+from paged_runtime.config import EngineConfig
 from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
 
 RUNTIME_FLAGS = ["--served-model-name", "--api-key", "--max-waiting-requests", "--dtype", "--device", "--max-model-len",
@@ -72,6 +73,8 @@ def test_resolve_model_from_model_dir(tmp_path):
 # ---- the model's engine lifecycle ----------------------------------------------------------------
 class FakeEngine:
     max_model_len = 64
+    config = EngineConfig()
+    default_sampling: dict = {}
     is_healthy = True
     tokenizer = None  # the serving objects take their own copy of it
 
@@ -227,9 +230,11 @@ def test_v2_grpc_request_gives_texts_and_plain_parameters():
 def test_the_edge_flags_reach_the_openai_app():
     from kserve_adapter.server import edge_options
     args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3",
-                       "--allowed-origins", "https://app.example.com", "--metrics-require-api-key"])
+                       "--allowed-origins", "https://app.example.com", "--metrics-require-api-key",
+                       "--chat-template", "{{ messages[0]['content'] }}"])
     assert edge_options(args) == {"allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
-                                  "max_prompts_per_request": 3, "metrics_require_api_key": True}
+                                  "max_prompts_per_request": 3, "metrics_require_api_key": True,
+                                  "chat_template": "{{ messages[0]['content'] }}"}
 
 
 # ---- KServe's own inference routes: off the loop, the configured limits, a body limit ------------------
@@ -397,3 +402,45 @@ def test_oversized_bodies_are_413_on_kserves_routes_and_the_openai_routes_keep_t
             assert (error.status_code, error.json()["error"]["code"]) == (413, "request_too_large"), path
     streamed = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "stream": True})
     assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+
+
+# ---- huggingfaceserver's arguments (issue 17) ----------------------------------------------------
+def test_huggingfaceserver_arguments_are_accepted_and_the_unused_ones_warned_about(tmp_path, caplog):
+    argv = ["--model_name", "m", "--model_id", str(tmp_path), "--max_model_len", "128", "--dtype", "float32",
+            "--tensor_parallel_size", "1", "--task", "text_generation", "--backend", "huggingface",
+            "--trust_remote_code", "--disable_lower_case", "--disable_special_tokens", "--return_probabilities",
+            "--model_revision", "main", "--disable_log_requests"]
+    with caplog.at_level("WARNING", logger="kserve_adapter"):
+        args = parse_args(argv)
+    assert (args.model, args.max_model_len, args.dtype, args.tensor_parallel_size, args.disable_log_requests) == (
+        str(tmp_path), 128, "float32", 1, True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring huggingfaceserver arguments this runtime does not use: --model_revision, --trust_remote_code, "
+        "--backend, --return_probabilities, --disable_lower_case, --disable_special_tokens"]
+    assert parse_args(["--model_name", "m", "--max_length", "64"]).max_model_len == 64
+
+
+def test_huggingfaceserver_defaults_warn_about_nothing(caplog):
+    with caplog.at_level("WARNING", logger="kserve_adapter"):
+        parse_args(["--model_name", "m", "--backend", "auto"])
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "fill_mask"], "--task 'fill_mask' is not served: this runtime does text generation only"),
+    (["--model_id", "org/model"], "--model_id 'org/model' is not a local folder: weights are never downloaded"),
+])
+def test_huggingfaceserver_arguments_this_runtime_cannot_serve_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_name", "m", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_prompt_logprobs_are_refused_on_the_kserve_routes_that_cannot_return_them():
+    engine = PredictEngine()
+    model = started_model(engine)
+    with pytest.raises(InvalidInput, match="instances\\[0\\]: prompt_logprobs are not returned by the KServe "
+                                           "inference routes; use /openai/v1/completions for that"):
+        asyncio.run(model.predict({"instances": [{"prompt": [1], "prompt_logprobs": 1}]}))
+    assert engine.submitted == []

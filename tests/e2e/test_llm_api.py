@@ -131,7 +131,7 @@ def test_top_k_one_is_greedy(tiny):
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"), ({"n": 0}, "n"),
     ({"n": 3, "best_of": 2}, "best_of"), ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": -1}, "logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):

@@ -95,3 +95,60 @@ def test_serve_end_to_end(tiny_llama_dir):
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "Avg generation throughput" in out and "Running:" in out and "KV cache usage" in out
+
+
+# ---- vLLM's launch lines (issue 17) ------------------------------------------------------------
+def serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_vllm_spellings_parse_to_the_runtime_settings():
+    args = serve_args("--kv-cache-memory-bytes", "1GiB", "--disable-log-requests", "--uvicorn-log-level", "debug",
+                      "--max-logprobs", "5", "--generation-config", "vllm")
+    assert (args.kv_cache_memory, args.disable_log_requests, args.uvicorn_log_level) == (2**30, True, "debug")
+    config = engine_config(args)
+    assert (config.kv_cache_memory, config.max_logprobs, config.generation_config) == (2**30, 5, "vllm")
+    defaults = serve_args()
+    assert (defaults.allowed_origins, defaults.uvicorn_log_level, defaults.chat_template, defaults.max_logprobs,
+            defaults.generation_config, defaults.disable_log_requests) == (None, None, None, 20, "auto", False)
+
+
+@pytest.mark.parametrize("argv,origins", [
+    (["https://a", "https://b"], ["https://a", "https://b"]),
+    (['["https://a", "https://b"]'], ["https://a", "https://b"]),  # vLLM's JSON list
+    (['["*"]'], ["*"]),
+])
+def test_allowed_origins_plain_or_as_vllm_json(argv, origins):
+    assert serve_args("--allowed-origins", *argv).allowed_origins == origins
+
+
+def test_allowed_origins_bad_json_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve_args("--allowed-origins", '["https://a", 3]')
+    assert exit_info.value.code == 2
+    assert "is not a JSON list of origins" in capsys.readouterr().err
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path, capsys):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert serve_args("--chat-template", str(path)).chat_template == "{{ messages[0]['content'] }}"
+    assert serve_args("--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}").chat_template == \
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(SystemExit) as exit_info:
+        serve_args("--chat-template", str(tmp_path / "missing.jinja"))
+    assert exit_info.value.code == 2
+    assert "is neither a readable file nor a Jinja template" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env,key", [
+    ({}, None), ({"VLLM_API_KEY": "v"}, "v"), ({"PAGED_RUNTIME_API_KEY": "p", "VLLM_API_KEY": "v"}, "p"),
+])
+def test_api_key_from_the_flag_then_the_projects_variable_then_vllms(env, key, monkeypatch):
+    from paged_runtime.entrypoints.cli import api_key
+    monkeypatch.delenv("PAGED_RUNTIME_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert api_key(serve_args()) == key
+    assert api_key(serve_args("--api-key", "flag")) == "flag"

@@ -62,7 +62,7 @@ class Book(pydantic.BaseModel):
 def server(smollm2_dir):
     from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
     with running_server(smollm2_dir, NAME, max_model_len=1024, kv_cache_memory=64 * 2**20, speculative_config=SPEC,
-                        chat_options=ChatOptions(True, "hermes")) as server:
+                        app_options={"chat_options": ChatOptions(True, "hermes")}) as server:
         yield server
 
 

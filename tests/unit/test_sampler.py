@@ -186,3 +186,35 @@ def test_a_seeded_row_advances_its_generator_by_one_draw_whatever_its_support(wi
         Sampler(torch.Generator().manual_seed(0))(logits.clone(), meta)
         after.append(torch.rand(1, generator=g).item())
     assert after[0] == after[1] == after[2]
+
+
+# ---- allowed_token_ids and bad words (issue 17) --------------------------------------------------------------
+def test_allowed_mask_limits_the_rows_that_have_one_and_logprobs_stay_raw():
+    logits = torch.stack([LOGITS, LOGITS, LOGITS])
+    blocked = torch.ones(2, LOGITS.numel(), dtype=torch.bool)
+    blocked[0, [3, 4]] = False  # row 0 may only sample 3 or 4; row 2 may only sample 5
+    blocked[1, 5] = False
+    meta = SamplingMetadata(temperature=torch.zeros(3), all_greedy=True, generators=[None] * 3,
+                            allowed=(torch.tensor([0, 2]), blocked), num_logprobs=1)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, meta)
+    assert out.token_ids.tolist() == [3, 0, 5]
+    raw = LOGITS.log_softmax(-1)
+    assert torch.allclose(out.logprobs, raw[[3, 0, 5]]) and out.ranks.tolist() == [4, 1, 6]
+    sampled = Sampler(torch.Generator().manual_seed(0))(
+        LOGITS.expand(400, -1).clone(), SamplingMetadata(
+            temperature=torch.ones(400), all_greedy=False, generators=[None] * 400,
+            allowed=(torch.arange(400), blocked[:1].expand(400, -1)))).token_ids
+    assert set(sampled.tolist()) == {3, 4}
+
+
+def test_bad_word_tokens_follow_the_output_not_the_prompt():
+    from paged_runtime.sampling_params import SamplingParams
+    from paged_runtime.worker.request_states import CachedRequest
+    from paged_runtime.worker.sampling_metadata import _bad_word_tokens
+    params = SamplingParams(bad_words=["x"])
+    params.bad_words_token_ids = [[7], [1, 2, 3], [2, 9]]
+    request = lambda tokens, num_prompt: CachedRequest("r", 0, tokens, num_prompt, params, frozenset(), None, None)
+    assert _bad_word_tokens(request([1, 2], 2)) == [7]  # [1, 2] is the prompt's: only the one-token word
+    assert _bad_word_tokens(request([5, 1, 2], 1)) == [7, 3, 9]  # output [1, 2]: 3 completes one, 9 another
+    assert _bad_word_tokens(request([5, 1, 2, 4], 1)) == [7]
+    assert _bad_word_tokens(request([5, 2], 1)) == [7, 9]

@@ -20,7 +20,7 @@ OUT_OF_RANGE = [
     ({"seed": 2**64}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
     ({"stop": ["ok", ""]}, "stop"),
-    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ]
 

@@ -185,8 +185,11 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
                  model_root: str | None = None, include_metrics: bool = True,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                 metrics_require_api_key: bool = False, chat_options: ChatOptions | None = None) -> APIRouter:
-    """All routes over ``engine``. ``chat_options``: tool calling and reasoning settings of the chat route. ``registry`` is what /metrics shows (default: the global REGISTRY);
+                 metrics_require_api_key: bool = False, chat_template: str | None = None,
+                 chat_options: ChatOptions | None = None) -> APIRouter:
+    """All routes over ``engine``. ``chat_template``: Jinja text that replaces the tokenizer's chat template
+    (chat completions and /tokenize; ``--chat-template``); ``chat_options``: the chat route's tool calling
+    and reasoning settings. ``registry`` is what /metrics shows (default: the global REGISTRY);
     hosts with a /metrics of their own (KServe) pass ``include_metrics=False`` and share the registry.
     ``max_request_body_bytes`` (413 beyond) and ``max_prompts_per_request`` (a completions ``prompt``
     list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key."""
@@ -194,7 +197,7 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     served_model_names = list(served_model_names or default_served_model_names(engine))
     limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
     completions = CompletionServing(engine, served_model_names, limits)
-    chat = ChatServing(engine, served_model_names, limits, chat_options)
+    chat = ChatServing(engine, served_model_names, limits, chat_template, chat_options)
     created = int(time.time())
     root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
@@ -288,7 +291,7 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               metrics_require_api_key: bool = False, drain: Drain | None = None,
-              chat_options: ChatOptions | None = None) -> FastAPI:
+              chat_template: str | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
 
     ``allowed_origins``: CORS for exactly these origins (Starlette's CORSMiddleware); None or empty: no
@@ -301,7 +304,8 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
                                     model_root=model_root, include_metrics=include_metrics,
                                     max_request_body_bytes=max_request_body_bytes,
                                     max_prompts_per_request=max_prompts_per_request,
-                                    metrics_require_api_key=metrics_require_api_key, chat_options=chat_options))
+                                    metrics_require_api_key=metrics_require_api_key, chat_template=chat_template,
+                                    chat_options=chat_options))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -7,18 +7,28 @@ once when the routes build it, so no rule lives in two places.
 
 Fields OpenAI defines but this runtime cannot honour (audio, predicted
 outputs, ...) are accepted by the parser and refused by ``unsupported()`` with
-a 400 that names them. Unknown fields are ignored, as vLLM does, so newer
-clients keep working.
+a 400 that names them. vLLM's extras that would change the result and that
+this runtime does not implement (``REFUSED_EXTRAS``: logits processors,
+beam search, disaggregated serving, ...) are refused by ``refused_extra()``
+the same way. Any other unknown field is ignored, as vLLM does, so newer
+clients keep working; ``log_unknown_fields()`` names each such field once per
+process at DEBUG level.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import logging
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from paged_runtime.sampling_params import LOGIT_BIAS_LIMIT
 
+logger = logging.getLogger(__name__)
+
 TokenIds = list[StrictInt]
+MAX_LOGGED_UNKNOWN_FIELDS = 256  # unknown field names remembered (and logged once each); bounded against junk
+_logged_unknown_fields: set[str] = set()
 MAX_N = 128  # OpenAI's limit for n
 MAX_TEMPERATURE = 2.0  # OpenAI's; the runtime itself takes any non-negative temperature
 
@@ -30,10 +40,39 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # accepted; no obfuscation field is ever sent
+    continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: refused (see check_common)
+
+
+def _set(value: Any) -> bool:
+    return value is not None
+
+
+def _true(value: Any) -> bool:
+    return bool(value)
+
+
+_NO_CUSTOM_CODE = "this server runs no custom code"
+# vLLM's request extras that would change the result and that this runtime does not implement:
+# field -> (whether its value asks for something, why it is refused). Both routes.
+_REFUSED_EXTRAS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "use_beam_search": (_true, "use_beam_search is not supported on the OpenAI routes (LLM.beam_search has it)"),
+    "length_penalty": (lambda v: v is not None and v != 1, "length_penalty is not supported: it only scores beam "
+                                                           "search, which the OpenAI routes do not run"),
+    "logits_processors": (_true, f"logits_processors are not supported: {_NO_CUSTOM_CODE}"),
+    "vllm_xargs": (_true, f"vllm_xargs are not supported: {_NO_CUSTOM_CODE} that would read them"),
+    "kv_transfer_params": (_set, "kv_transfer_params are not supported: this runtime does no disaggregated serving"),
+    "mm_processor_kwargs": (_set, "mm_processor_kwargs are not supported: this runtime serves text-only models"),
+    "return_tokens_as_token_ids": (_true, "return_tokens_as_token_ids is not supported"),
+}
 
 
 class SamplingFields(OpenAIModel):
-    """What /v1/completions and /v1/chat/completions share: OpenAI's sampling fields and vLLM's extras."""
+    """What /v1/completions and /v1/chat/completions share: OpenAI's sampling fields and vLLM's extras.
+
+    Unknown fields are kept (``model_extra``) only so ``refused_extra`` and ``log_unknown_fields`` can see them.
+    """
+    model_config = ConfigDict(extra="allow")
+    REFUSED_EXTRAS: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = _REFUSED_EXTRAS
     model: str | None = None  # optional, as in vLLM: the served model when absent
     n: Annotated[int, Field(le=MAX_N)] = 1
     temperature: Annotated[float, Field(le=MAX_TEMPERATURE)] | None = None
@@ -86,6 +125,20 @@ class SamplingFields(OpenAIModel):
             raise ValueError("cache_salt must be a non-empty string")
         return value
 
+    def refused_extra(self) -> tuple[str, str] | None:
+        """(param, message) of the first vLLM extra this request sets that this runtime refuses, or None."""
+        extras = self.model_extra or {}
+        return next(((name, message) for name, (asks, message) in self.REFUSED_EXTRAS.items()
+                     if name in extras and asks(extras[name])), None)
+
+    def log_unknown_fields(self) -> None:
+        """Name each unknown field once per process (DEBUG): ignored, as vLLM does, but not in silence."""
+        for name in (self.model_extra or {}).keys() - self.REFUSED_EXTRAS.keys() - _logged_unknown_fields:
+            if len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS:
+                return
+            _logged_unknown_fields.add(name)
+            logger.debug("request field %r is not known to this server and is ignored", name[:100])
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
@@ -94,6 +147,12 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
+    REFUSED_EXTRAS = {
+        **_REFUSED_EXTRAS,
+        "prompt_embeds": (_set, "prompt_embeds are not supported: send the prompt as text or token ids"),
+        "add_special_tokens": (lambda v: v is False, "add_special_tokens false is not supported: the prompt is "
+                                                     "tokenized with the model's special tokens (or send token ids)"),
+    }
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of the first field this runtime cannot honour, or None."""
@@ -161,6 +220,17 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    REFUSED_EXTRAS = {
+        **_REFUSED_EXTRAS,
+        "best_of": (lambda v: v is not None and v != 1, "best_of is not supported on chat completions "
+                                                        "(use /v1/completions)"),
+        "echo": (_true, "echo is not supported on chat completions"),
+        "add_special_tokens": (_true, "add_special_tokens true is not supported: the chat template adds the "
+                                      "special tokens"),
+        "documents": (_true, "documents are not supported: this runtime passes no documents to chat templates"),
+        "chat_template": (_set, "a per-request chat_template is not accepted: start the server with "
+                                "--chat-template"),
+    }
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of the first field this runtime cannot honour, or None."""

@@ -26,7 +26,8 @@ from functools import cached_property
 from typing import TypeVar
 
 from paged_runtime.engine.client import EngineClient, RequestStream
-from paged_runtime.engine.processor import ProcessedPrompt, PromptType, check_prompt_chars, max_prompt_chars
+from paged_runtime.engine.processor import (ProcessedPrompt, PromptType, check_logprobs, check_prompt_chars,
+                                            max_prompt_chars)
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
 from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
@@ -88,12 +89,14 @@ class OpenAIServing:
     """Holds the engine and the served model names; subclasses implement one route each."""
 
     def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, chat_template: str | None = None) -> None:
+        """``chat_template``: a Jinja template that replaces the tokenizer's (``--chat-template``)."""
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.limits = limits or RequestLimits()
+        self.chat_template = chat_template
         self.tokenizer_worker = TokenizerWorker(engine.tokenizer, engine.max_model_len)
 
     # ---- request checks -----------------------------------------------------------------
@@ -106,11 +109,18 @@ class OpenAIServing:
         return requested
 
     def check_common(self, req: SamplingFields) -> None:
-        unsupported = req.unsupported()
+        unsupported = req.unsupported() or req.refused_extra()
         if unsupported is not None:
             raise bad_request(unsupported[1], param=unsupported[0], code="unsupported_parameter")
+        req.log_unknown_fields()
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM: streamed chunks have no place for them
+            raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            raise bad_request("continuous_usage_stats is not supported: usage comes in one chunk at the end "
+                              "(include_usage)", param="stream_options.continuous_usage_stats",
+                              code="unsupported_parameter")
         if req.priority != 0 and self.engine.config.scheduling_policy != "priority":
             raise bad_request("priority is only honoured with --scheduling-policy priority; this server uses "
                               f"{self.engine.config.scheduling_policy!r}", param="priority")
@@ -121,22 +131,34 @@ class OpenAIServing:
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams from the request; a value SamplingParams rejects is a 400 naming its field.
 
+        A field the request leaves unset takes the engine's ``default_sampling`` (the model's
+        generation_config.json), then SamplingParams' own default; a default ``max_tokens`` also caps what
+        the request asks for (vLLM's ``get_max_tokens``). ``prompt_logprobs``: what the route needs (echo),
+        beside the request's own ``prompt_logprobs`` (the engine computes the larger).
+
         ``fields``: the request's name for a SamplingParams field where the route spells it differently
         (chat's ``top_logprobs`` is ``logprobs``), so the error names what the client sent.
         """
+        defaults = self.engine.default_sampling
+        default = lambda name, fallback: _default(getattr(req, name), defaults.get(name, fallback))
+        asked = [k for k in (prompt_logprobs, req.prompt_logprobs) if k is not None]
         try:
-            return SamplingParams(
-                n=req.n, best_of=best_of, temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
-                top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0),
+            params = SamplingParams(
+                n=req.n, best_of=best_of, temperature=default("temperature", 1.0), top_p=default("top_p", 1.0),
+                top_k=default("top_k", 0), min_p=default("min_p", 0.0),
                 presence_penalty=_default(req.presence_penalty, 0.0),
                 frequency_penalty=_default(req.frequency_penalty, 0.0),
-                repetition_penalty=_default(req.repetition_penalty, 1.0),
+                repetition_penalty=default("repetition_penalty", 1.0),
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-                seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                seed=req.seed, max_tokens=_capped(max_tokens, defaults.get("max_tokens")), min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens, structured_outputs=structured_outputs)
+                prompt_logprobs=max(asked) if asked else None, skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
+                truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured_outputs)
+            check_logprobs(params, self.engine.config.max_logprobs)
+            return params
         except ParameterError as e:
             raise from_parameter_error(e, (fields or {}).get(e.param)) from e
 
@@ -205,6 +227,11 @@ def now() -> int:
 
 def _default(value, default):
     return default if value is None else value
+
+
+def _capped(max_tokens: int | None, cap: int | None) -> int | None:
+    """The request's max_tokens under the model's recommended cap (either may be None: no limit)."""
+    return max_tokens if cap is None else cap if max_tokens is None else min(max_tokens, cap)
 
 
 async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
@@ -299,6 +326,17 @@ def top_by_rank(entry: dict[int, Logprob], top_n: int) -> list[Logprob]:
     """The ``top_n`` most likely tokens of a position (the sampled one only if it is among them)."""
     ranked = [lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n]
     return sorted(ranked, key=lambda lp: lp.rank)[:top_n]
+
+
+def prompt_logprobs_body(out: RequestOutput, top_n: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position (the first is null: nothing precedes it) a dict of token id
+    (a string in JSON) -> {logprob, rank, decoded_token}: the prompt's own token and the ``top_n`` most likely."""
+    body: list[dict | None] = [None]
+    for token_id, entry in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [])[1:]):
+        kept = {t: lp for t, lp in (entry or {}).items() if t == token_id or (lp.rank is not None and lp.rank <= top_n)}
+        body.append({str(t): {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                     for t, lp in kept.items()})
+    return body
 
 
 def sse(payload: dict) -> str:

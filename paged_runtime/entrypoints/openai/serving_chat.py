@@ -24,8 +24,8 @@ from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from paged_runtime.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, RequestLimits, StreamingResult, clamp,
-                                                     collect_deltas, merge, new_id, now, sse, sse_error, top_by_rank,
-                                                     usage)
+                                                     collect_deltas, merge, new_id, now, prompt_logprobs_body, sse,
+                                                     sse_error, top_by_rank, usage)
 from paged_runtime.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice, tool_constraint
 from paged_runtime.entrypoints.openai.tool_parsers import get_tool_parser
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -56,8 +56,8 @@ class ChatOptions:
 
 class ChatServing(OpenAIServing):
     def __init__(self, engine, served_model_names, limits: RequestLimits | None = None,
-                 options: ChatOptions | None = None) -> None:
-        super().__init__(engine, served_model_names, limits)
+                 chat_template: str | None = None, options: ChatOptions | None = None) -> None:
+        super().__init__(engine, served_model_names, limits, chat_template)
         self.options = options or ChatOptions()
         self.reasoning_parser = (get_reasoning_parser(self.options.reasoning_parser)
                                  if self.options.reasoning_parser else None)
@@ -118,7 +118,7 @@ class ChatServing(OpenAIServing):
         """The chat template applied to ``messages``: (text, token ids). Raises a 400 naming what is wrong.
         Uses the worker's tokenizer: call it on the worker (``self.tokenizer_worker.run``)."""
         tokenizer = self.tokenizer_worker.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not (self.chat_template or getattr(tokenizer, "chat_template", None)):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
         if add_generation_prompt and continue_final_message:
             raise bad_request("continue_final_message needs add_generation_prompt set to false",
@@ -132,7 +132,8 @@ class ChatServing(OpenAIServing):
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
         try:
-            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+            text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=self.chat_template,
+                                                 tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message, **kwargs)
         except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's business
@@ -151,8 +152,11 @@ class ChatServing(OpenAIServing):
                             "finish_reason": _finish_reason(c.finish_reason, tool_choice, parsed),
                             "stop_reason": c.stop_reason})
         num_completion = sum(len(c.token_ids) for c in out.outputs)
-        return {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
+        body = {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)}
+        if req.prompt_logprobs is not None:  # vLLM's place for them: the response, not a choice
+            body["prompt_logprobs"] = prompt_logprobs_body(out, req.prompt_logprobs)
+        return body
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int],
                   entries: list[PositionLogprobs] | None) -> dict | None:

@@ -2,7 +2,16 @@
 
 Choice ``index`` is ``prompt_index * n + sequence_index``, as in vLLM. With
 ``echo`` the prompt's text (and, with ``logprobs``, its logprobs, the first
-position's being null) precedes each choice's text.
+position's being null) precedes each choice's text. ``prompt_logprobs`` adds
+vLLM's ``prompt_logprobs`` list to each choice (not when streaming).
+
+Scoring (vLLM's ``echo`` with ``max_tokens: 0``): each choice is the prompt
+alone, with its logprobs when ``logprobs`` is set, finish_reason "length"
+and no completion tokens in the usage. The engine always generates at least
+one token (its scheduler, runner and stop logic are built on that), so the
+route runs the prompt with ``max_tokens: 1`` and drops that token: the prompt
+logprobs need the same prefill anyway, and the one extra decode position is
+cheaper than an engine mode where a request may finish without a step.
 """
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ from paged_runtime.entrypoints.openai.constraints import request_constraint
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import CompletionRequest
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect_deltas,
-                                                     merge, new_id, now, sse, sse_error, usage)
+                                                     merge, new_id, now, prompt_logprobs_body, sse, sse_error, usage)
 from paged_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from paged_runtime.sampling_params import RequestOutputKind
 
@@ -57,9 +66,13 @@ class CompletionServing(OpenAIServing):
         self.check_common(req)
         if req.stream and req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n when streaming", param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                              param="max_tokens", code="invalid_value")
+        scoring = req.max_tokens == 0
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         constraint, source = request_constraint(req)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, best_of=req.best_of,
+        params = self.sampling_params(req, 1 if scoring else req.max_tokens, req.logprobs, best_of=req.best_of,
                                       prompt_logprobs=echo_logprobs, fields={"structured_outputs": source},
                                       structured_outputs=constraint)
         # Each step's delta, never a copy of the sequence; whole responses put the deltas together (not
@@ -76,7 +89,8 @@ class CompletionServing(OpenAIServing):
         streams = self.submit(request_id, processed, params, req)
         if req.stream:
             return StreamingResult(self._stream(req, request_id, model, streams), streams)
-        return self._response(req, request_id, model, await collect_deltas(streams))
+        outputs = await collect_deltas(streams)
+        return self._response(req, request_id, model, [_scored(o) for o in outputs] if scoring else outputs)
 
     # ---- whole response ------------------------------------------------------------------
     def _response(self, req: CompletionRequest, request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
@@ -85,9 +99,12 @@ class CompletionServing(OpenAIServing):
             prefix = self._prompt_text(out) if req.echo else ""
             for c in out.outputs:
                 logprobs = self._logprobs(req, out, c.token_ids, c.logprobs or [], echo=req.echo)
-                choices.append({"index": i * req.n + c.index, "text": prefix + c.text,
-                                "logprobs": logprobs.take() if logprobs else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * req.n + c.index, "text": prefix + c.text,
+                          "logprobs": logprobs.take() if logprobs else None,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(out, req.prompt_logprobs)
+                choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
                 "choices": choices, "usage": _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs))}
 
@@ -100,18 +117,21 @@ class CompletionServing(OpenAIServing):
             return None
         lp = into or _Logprobs()
         if echo:
-            self._add_prompt_positions(lp, out)
+            self._add_prompt_positions(lp, out, req.logprobs)
         lp.add_positions(token_ids, entries)
         return lp
 
-    def _add_prompt_positions(self, lp: _Logprobs, out: RequestOutput) -> None:
+    def _add_prompt_positions(self, lp: _Logprobs, out: RequestOutput, top_n: int) -> None:
+        """The prompt's positions, each with its ``top_n`` most likely tokens (the engine computed
+        max(logprobs, prompt_logprobs) of them)."""
         entries = out.prompt_logprobs or []
         for pos, token_id in enumerate(out.prompt_token_ids):
             entry = entries[pos] if pos < len(entries) else None
             if entry is None or token_id not in entry:  # the first position has no logprob
                 lp.add(self.engine.tokenizer.decode([token_id]), None, None)
             else:
-                lp.add_positions([token_id], [entry])
+                kept = {t: e for t, e in entry.items() if t == token_id or (e.rank is not None and e.rank <= top_n)}
+                lp.add_positions([token_id], [kept])
 
     # ---- streaming ---------------------------------------------------------------------
     async def _stream(self, req: CompletionRequest, request_id: str, model: str,
@@ -120,6 +140,7 @@ class CompletionServing(OpenAIServing):
         state = _StreamState()
         try:
             async for i, out in merge(streams):
+                out = _scored(out) if req.max_tokens == 0 else out
                 state.num_completion_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
                 choices = [choice for c in out.outputs
                            if (choice := self._delta_choice(req, state, i, out, c)) is not None]
@@ -175,6 +196,16 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
+
+
+def _scored(out: RequestOutput) -> RequestOutput:
+    """Scoring mode's output: the one token generated to run the prompt dropped from every sequence."""
+    if not out.finished:
+        return dataclasses.replace(out, outputs=[])
+    reason = lambda c: "length" if c.finish_reason in ("stop", "length") else c.finish_reason  # abort, error stay
+    empty = [CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None, reason(c), None)
+             for c in out.outputs]
+    return dataclasses.replace(out, outputs=empty)
 
 
 def _usage(outputs: list[RequestOutput], num_completion_tokens: int) -> dict:
