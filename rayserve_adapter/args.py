@@ -52,6 +52,10 @@ class AppArgs(BaseModel):
     max_prompts_per_request: int = Field(default=256, ge=1)
     allowed_origins: list[str] | None = None
     metrics_require_api_key: bool = False
+    # The chat route's tool calling and reasoning (paged-runtime serve's flags of the same names)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     # ---- Serve: replicas, placement, admission ----------------------------------------------
     num_replicas: int = Field(default=1, ge=1)
@@ -90,6 +94,7 @@ class AppArgs(BaseModel):
                              "scale out with num_replicas or autoscaling_config")
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("set either num_replicas or autoscaling_config, not both")
+        self.chat_options()  # an unknown parser name or auto tool choice without a parser fails here, at build
         return self
 
     # ---- derived ------------------------------------------------------------------------------
@@ -118,6 +123,10 @@ class AppArgs(BaseModel):
     def multi_replica(self) -> bool:
         """Two deployments (ingress + model, prefix-aware routing) once there can be more than one replica."""
         return self.max_model_replicas > 1
+
+    def chat_options(self):
+        from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
+        return ChatOptions(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
     def engine_config(self):
         """The ``EngineConfig`` for one replica's engine (imports the runtime: call it on the replica)."""

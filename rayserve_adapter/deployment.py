@@ -99,7 +99,7 @@ class EngineReplica:
                          model_root=self.engine.model_root, drain=self.drain, allowed_origins=a.allowed_origins,
                          max_request_body_bytes=a.max_request_body_bytes,
                          max_prompts_per_request=a.max_prompts_per_request,
-                         metrics_require_api_key=a.metrics_require_api_key)
+                         metrics_require_api_key=a.metrics_require_api_key, chat_options=a.chat_options())
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app

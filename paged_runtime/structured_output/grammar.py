@@ -33,13 +33,18 @@ class RequestGrammar:
     failed: bool = False  # the matcher refused a token of the history: only stop tokens are allowed now
 
     def rewind(self, position: int) -> None:
-        """The history changed at ``position``: forget what the matcher took from there on."""
-        if self.start is not None and position < self.start + len(self.accepted):
+        """The history changed at ``position``: forget what the matcher took from there on (and a refusal
+        there: a refused token is never taken, so the matcher itself is still sound)."""
+        if self.start is not None:
+            end = self.start + len(self.accepted)  # the first history position not taken
             if position < self.start:
                 self.matcher.reset()
                 self.accepted, self.start, self.failed = [], None, False
-            else:
-                self._roll_back(self.start + len(self.accepted) - position)
+            elif position <= end:
+                if position < end:
+                    self.matcher.rollback(end - position)
+                    del self.accepted[position - self.start:]
+                self.failed = False
         self.scanned = min(self.scanned, position)
 
     def sync(self, token_ids: list[int], num_prompt_tokens: int) -> None:
@@ -65,7 +70,7 @@ class RequestGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The allowed next tokens into ``bitmask[row]``."""
-        if self.failed:
+        if self.failed or self.matcher.is_terminated():  # ended (a stop token with ignore_eos): stop tokens only
             _only_stop_tokens(bitmask, row, self.matcher.stop_token_ids)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -96,18 +101,6 @@ class RequestGrammar:
                 return True
         self.scanned = len(token_ids)
         return False
-
-    def _roll_back(self, num_tokens: int) -> None:
-        if self.failed:  # the refused token was never taken: rebuild from what was
-            kept = self.accepted[:len(self.accepted) - num_tokens]
-            self.matcher.reset()
-            self.accepted, self.failed = [], False
-            for token_id in kept:
-                self.matcher.accept_token(token_id)
-                self.accepted.append(token_id)
-            return
-        self.matcher.rollback(num_tokens)
-        del self.accepted[len(self.accepted) - num_tokens:]
 
 
 def _only_stop_tokens(bitmask: torch.Tensor, row: int, stop_token_ids) -> None:

@@ -109,7 +109,7 @@ class RequestStates:
             generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
         counts = OutputCounts() if p.has_penalties else None
         state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
-                              self._blocked(p.allowed_token_ids), self._grammar(p))
+                              grammar=self._grammar(p), blocked=self._blocked(p.allowed_token_ids))
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)

@@ -231,10 +231,13 @@ def test_the_edge_flags_reach_the_openai_app():
     from kserve_adapter.server import edge_options
     args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3",
                        "--allowed-origins", "https://app.example.com", "--metrics-require-api-key",
-                       "--chat-template", "{{ messages[0]['content'] }}"])
+                       "--chat-template", "{{ messages[0]['content'] }}", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
     assert edge_options(args) == {"allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
                                   "max_prompts_per_request": 3, "metrics_require_api_key": True,
-                                  "chat_template": "{{ messages[0]['content'] }}"}
+                                  "chat_template": "{{ messages[0]['content'] }}",
+                                  "chat_options": ChatOptions(True, "hermes", "qwen3")}
 
 
 # ---- KServe's own inference routes: off the loop, the configured limits, a body limit ------------------

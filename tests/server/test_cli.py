@@ -63,6 +63,22 @@ def test_bad_flags_exit_2_without_loading():
     proc = run_cli("serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "speculative_config.method must be one of" in out
+    proc = run_cli("serve", "--enable-auto-tool-choice")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in out
+
+
+def test_the_parser_flags_offer_exactly_the_registered_parsers():
+    from paged_runtime.entrypoints.cli import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+    from paged_runtime.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from paged_runtime.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS) and set(REASONING_PARSER_NAMES) == set(REASONING_PARSERS)
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+                                      "--reasoning-parser", "deepseek_r1"])
+    from paged_runtime.entrypoints.cli import chat_options
+    options = chat_options(args)
+    assert (options.enable_auto_tool_choice, options.tool_call_parser, options.reasoning_parser) == (
+        True, "mistral", "deepseek_r1")
 
 
 def test_serve_end_to_end(tiny_llama_dir):

@@ -179,3 +179,16 @@ def test_auto_tool_choice_without_a_call_is_content(client):
     choice = response.choices[0]
     assert choice.message.content and not choice.message.tool_calls
     assert choice.finish_reason in ("stop", "length")
+
+
+def test_langchain_structured_output_and_bound_tools(server):
+    from langchain_openai import ChatOpenAI
+    llm = ChatOpenAI(model=NAME, base_url=f"{server.url}/v1", api_key="unused", temperature=0, max_tokens=150,
+                     max_retries=0, timeout=120)
+    person = llm.with_structured_output(Person).invoke("Invent a person with an address.")
+    assert isinstance(person, Person)
+    message = llm.bind_tools([WEATHER, TIME], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
+    anything = llm.bind_tools([WEATHER, TIME], tool_choice="any").invoke("What time is it in Tokyo?")
+    assert anything.tool_calls and {c["name"] for c in anything.tool_calls} <= {"get_weather", "get_time"}

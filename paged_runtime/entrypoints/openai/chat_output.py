@@ -21,8 +21,11 @@ class ChoiceText:
     """Parses one choice's output. ``whole(text)`` for a full response, ``feed(delta)`` per streamed delta
     then ``finish()``; ``tools_called`` says whether calls were emitted."""
 
-    def __init__(self, choice: ToolChoice, tool_parser=None, reasoning_parser=None) -> None:
+    def __init__(self, choice: ToolChoice, tool_parser=None, reasoning_parser=None,
+                 include_reasoning: bool = True) -> None:
+        """``include_reasoning`` False: the reasoning is split off and dropped (vLLM's request field)."""
         self.choice, self.tool_parser, self.reasoning_parser = choice, tool_parser, reasoning_parser
+        self.include_reasoning = include_reasoning
         self.tools_called = False
         self._reasoning_stream = reasoning_parser.stream() if reasoning_parser is not None else None
         self._tool_stream = tool_parser.stream() if choice.mode == "auto" and tool_parser is not None else None
@@ -34,7 +37,7 @@ class ChoiceText:
         """The message's fields besides the role: content, reasoning_content, tool_calls."""
         reasoning, content = self.reasoning_parser.extract(text) if self.reasoning_parser else (None, text)
         message = {"content": content}
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None and self.include_reasoning:
             message["reasoning_content"] = reasoning
         calls = None
         if self.choice.forced and content is not None:
@@ -64,7 +67,7 @@ class ChoiceText:
 
     def _delta(self, reasoning: str | None, content: str | None, final: bool) -> dict:
         out: dict = {}
-        if reasoning:
+        if reasoning and self.include_reasoning:
             out["reasoning_content"] = reasoning
         content = content or ""
         calls: list[dict] = []

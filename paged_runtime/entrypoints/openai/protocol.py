@@ -63,6 +63,9 @@ _REFUSED_EXTRAS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (_set, "kv_transfer_params are not supported: this runtime does no disaggregated serving"),
     "mm_processor_kwargs": (_set, "mm_processor_kwargs are not supported: this runtime serves text-only models"),
     "return_tokens_as_token_ids": (_true, "return_tokens_as_token_ids is not supported"),
+    "guided_whitespace_pattern": (_set, "guided_whitespace_pattern is not supported: set structured_outputs."
+                                        "disable_any_whitespace instead"),
+    "structural_tag": (_set, "structural_tag is not supported: use tools with tool_choice, or a json_schema"),
 }
 
 
@@ -216,7 +219,9 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # reaches the chat template (models that read it), as in vLLM
     # vLLM's chat extras
+    include_reasoning: bool = True  # with --reasoning-parser: False drops reasoning_content
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

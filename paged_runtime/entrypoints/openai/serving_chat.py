@@ -83,8 +83,11 @@ class ChatServing(OpenAIServing):
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         if tool_choice.mode == "auto":  # some formats' markers ([TOOL_CALLS], <|python_tag|>) are special tokens
             params = dataclasses.replace(params, skip_special_tokens=False)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:  # OpenAI's field, for templates that read it
+            template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         text, token_ids = await self.tokenizer_worker.run(self.render, req.messages, req.add_generation_prompt,
-                                                          req.continue_final_message, req.chat_template_kwargs,
+                                                          req.continue_final_message, template_kwargs,
                                                           _template_tools(req))
         processed = await self.process_off_loop({"prompt": text, "prompt_token_ids": token_ids}, params, "messages",
                                                  source)
@@ -107,10 +110,10 @@ class ChatServing(OpenAIServing):
             constraint = dataclasses.replace(constraint, after_token_ids=list(self.reasoning_end_ids))
         return constraint, source
 
-    def _choice_text(self, tool_choice: ToolChoice) -> ChoiceText:
+    def _choice_text(self, req: ChatCompletionRequest, tool_choice: ToolChoice) -> ChoiceText:
         tool_parser = (get_tool_parser(self.options.tool_call_parser, self.tokenizer_worker.tokenizer)
                        if tool_choice.mode == "auto" else None)
-        return ChoiceText(tool_choice, tool_parser, self.reasoning_parser)
+        return ChoiceText(tool_choice, tool_parser, self.reasoning_parser, req.include_reasoning)
 
     # ---- the prompt ------------------------------------------------------------------------
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
@@ -145,7 +148,7 @@ class ChatServing(OpenAIServing):
                   out: RequestOutput) -> dict:
         choices = []
         for c in out.outputs:
-            parsed = self._choice_text(tool_choice)
+            parsed = self._choice_text(req, tool_choice)
             message = {"role": "assistant", **parsed.whole(c.text), "refusal": None}
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(req, c.token_ids, c.logprobs),
@@ -180,7 +183,7 @@ class ChatServing(OpenAIServing):
             return sse({**head, "choices": choices})
 
         finished: set[int] = set()
-        texts = [self._choice_text(tool_choice) for _ in range(req.n)]
+        texts = [self._choice_text(req, tool_choice) for _ in range(req.n)]
         num_completion = 0  # outputs are deltas: the usage chunk's count is their sum
         try:
             for index in range(req.n):
