@@ -192,3 +192,27 @@ def test_langchain_structured_output_and_bound_tools(server):
     jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
     anything = llm.bind_tools([WEATHER, TIME], tool_choice="any").invoke("What time is it in Tokyo?")
     assert anything.tool_calls and {c["name"] for c in anything.tool_calls} <= {"get_weather", "get_time"}
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_llama_dir):
+    from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
+    with running_server(tiny_llama_dir, "tiny-r1", max_model_len=256, kv_cache_memory=8 * 2**20,
+                        app_options={"chat_options": ChatOptions(reasoning_parser="deepseek_r1")}) as server:
+        yield server
+
+
+def test_reasoning_parser_splits_whole_and_streamed_responses_alike(reasoning_server):
+    """deepseek_r1: with no </think> in the output (the tiny model never writes one), all of it is reasoning;
+    a constraint waits for the marker, so it does not apply either; include_reasoning false drops it."""
+    client = openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="unused", max_retries=0)
+    body = dict(model="tiny-r1", messages=ask("Think."), temperature=0, max_completion_tokens=12)
+    whole = client.chat.completions.create(**body, extra_body={"guided_choice": ["yes", "no"]})
+    message = whole.choices[0].message
+    assert message.content is None and message.reasoning_content and message.reasoning_content not in ("yes", "no")
+    chunks = client.chat.completions.create(**body, stream=True, extra_body={"guided_choice": ["yes", "no"]})
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert reasoning == message.reasoning_content
+    hidden = client.chat.completions.create(**body, extra_body={"include_reasoning": False})
+    assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
+    assert hidden.choices[0].message.content is None
