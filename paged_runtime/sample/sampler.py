@@ -152,25 +152,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         source = logits
         logits = logits.float()
+        edits = (meta.grammar_bitmask, meta.allowed, meta.logit_bias, meta.penalties)
+        if any(e is not None for e in edits) and logits.data_ptr() == source.data_ptr():
+            logits = logits.clone()  # the caller's tensor stays untouched
         if meta.grammar_bitmask is not None:
-            if logits.data_ptr() == source.data_ptr():
-                logits = logits.clone()  # the caller's tensor stays untouched
             apply_token_bitmask(logits, *meta.grammar_bitmask)
         raw_logprobs = None
         if meta.num_logprobs is not None:
             asked = logits if meta.logprob_rows is None else logits[meta.logprob_rows]
             raw_logprobs = asked.log_softmax(dim=-1)
-        if meta.allowed is not None or meta.logit_bias is not None or meta.penalties is not None:
-            if logits.data_ptr() == source.data_ptr():
-                logits = logits.clone()  # the caller's tensor stays untouched
-            if meta.allowed is not None:
-                rows, blocked = meta.allowed
-                logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
-            if meta.logit_bias is not None:
-                rows, cols, values = meta.logit_bias
-                logits.index_put_((rows, cols), values, accumulate=True)
-            if meta.penalties is not None:
-                apply_penalties(logits, meta.penalties)
+        if meta.allowed is not None:
+            rows, blocked = meta.allowed
+            logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
+        if meta.logit_bias is not None:
+            rows, cols, values = meta.logit_bias
+            logits.index_put_((rows, cols), values, accumulate=True)
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

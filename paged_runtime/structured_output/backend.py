@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -69,7 +70,6 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 self.stats.num_hits += 1
                 return compiled
-        import time
         start = time.perf_counter()
         try:
             compiled = self._compile(*key)

@@ -49,11 +49,9 @@ class RequestGrammar:
 
     def sync(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         """Feed the matcher the constrained tokens of ``token_ids`` (prompt + output) it has not taken."""
-        if self.start is None and not self._find_start(token_ids, num_prompt_tokens):
+        if self.failed or (self.start is None and not self._find_start(token_ids, num_prompt_tokens)):
             return
         for token_id in token_ids[self.start + len(self.accepted):]:
-            if self.failed:
-                return
             if self.matcher.is_terminated():
                 return  # a stop token ended the grammar: the request finishes at this token
             if not self.matcher.accept_token(token_id):

@@ -132,6 +132,7 @@ class RequestStates:
             raise ValueError("structured_outputs needs a grammar backend; this runner has none")
         matcher = self.grammars.matcher(self.grammars.compile(constraint))
         return RequestGrammar(matcher, tuple(constraint.after_token_ids or ()))
+
     def _blocked(self, allowed_token_ids: list[int] | None) -> torch.Tensor | None:
         """The tokens outside ``allowed_token_ids`` (built once per request, stacked per step)."""
         if allowed_token_ids is None:

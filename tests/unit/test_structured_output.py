@@ -33,7 +33,7 @@ def allowed(grammar: RequestGrammar) -> set[int]:
     return set(torch.isfinite(logits[0]).nonzero().squeeze(1).tolist())
 
 
-def grammar_for(backend, tokenizer, choices, after=()) -> RequestGrammar:
+def grammar_for(backend, choices, after=()) -> RequestGrammar:
     matcher = backend.matcher(backend.compile(StructuredOutputsParams(choice=choices)))
     return RequestGrammar(matcher, tuple(after))
 
@@ -79,7 +79,7 @@ def test_structured_outputs_params_take_exactly_one_kind():
 
 
 def test_the_grammar_follows_appends_and_rewinds(backend, tokenizer):
-    grammar = grammar_for(backend, tokenizer, ["red apple", "red pear"])
+    grammar = grammar_for(backend, ["red apple", "red pear"])
     prompt = [5, 6, 7]
     red, apple, pear = ids(tokenizer, "red"), ids(tokenizer, " apple"), ids(tokenizer, " pear")
     grammar.sync(prompt, len(prompt))
@@ -98,7 +98,7 @@ def test_the_grammar_follows_appends_and_rewinds(backend, tokenizer):
 def test_the_constraint_starts_after_the_reasoning_end_marker(backend, tokenizer):
     marker = ids(tokenizer, "</think>")
     assert len(marker) > 1  # SmolLM2 has no such token: the gate must match a sequence
-    grammar = grammar_for(backend, tokenizer, ["yes", "no"], after=marker)
+    grammar = grammar_for(backend, ["yes", "no"], after=marker)
     prompt = [5, 6]
     thinking = ids(tokenizer, "let me think")
     history = prompt + thinking + marker[:1]
@@ -111,7 +111,7 @@ def test_the_constraint_starts_after_the_reasoning_end_marker(backend, tokenizer
 
 
 def test_speculative_masks_leave_the_matcher_where_it_was(backend, tokenizer):
-    grammar = grammar_for(backend, tokenizer, ["red apple"])
+    grammar = grammar_for(backend, ["red apple"])
     prompt = [5]
     grammar.sync(prompt, 1)
     red, apple = ids(tokenizer, "red"), ids(tokenizer, " apple")
@@ -133,7 +133,7 @@ def test_speculative_masks_leave_the_matcher_where_it_was(backend, tokenizer):
 
 
 def test_a_refused_history_token_allows_only_stop_tokens(backend, tokenizer):
-    grammar = grammar_for(backend, tokenizer, ["yes"])
+    grammar = grammar_for(backend, ["yes"])
     prompt = [5]
     grammar.sync(prompt + ids(tokenizer, "blue"), 1)
     assert grammar.failed and allowed(grammar) == {EOS}
@@ -142,7 +142,7 @@ def test_a_refused_history_token_allows_only_stop_tokens(backend, tokenizer):
     assert not grammar.failed and allowed(grammar) == {EOS}
 
 
-def test_a_stop_token_id_31_sets_the_sign_bit(backend, tokenizer):
+def test_a_stop_token_id_31_sets_the_sign_bit():
     from paged_runtime.structured_output.grammar import _only_stop_tokens
     bitmask = torch.zeros(1, 2, dtype=torch.int32)
     _only_stop_tokens(bitmask, 0, [31, 33])
