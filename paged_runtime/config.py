@@ -50,6 +50,9 @@ class EngineConfig:
     # Plain PyTorch everywhere: no CUDA graphs on the GPU, no compiled kernels on the CPU.
     enforce_eager: bool = False
     debug_checks: bool = False  # check block-accounting invariants after every step
+    # Schedule step N + 1 while step N runs (vLLM's --async-scheduling); None: on for CUDA without speculative
+    # decoding, off on the CPU (measured: benchmarks/async_scheduling.py).
+    async_scheduling: bool | None = None
     # Caps on a request's stop strings (each is matched after every token): how many, and how long each.
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH
@@ -84,6 +87,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling and self.speculative_config is not None:
+            # A verifying step's accepted count decides where the next one starts: nothing can be scheduled
+            # behind it, and drafts need the previous token on the host (as vLLM, for its n-gram and draft models).
+            raise ValueError("async_scheduling does not combine with speculative decoding: turn one of them off")
 
     @classmethod
     def from_attributes(cls, source: Any, **overrides: Any) -> EngineConfig:

@@ -38,6 +38,7 @@ class AppArgs(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     enforce_eager: bool = False  # plain PyTorch: no CUDA graphs, no compiled CPU decode kernels
     debug_checks: bool = False
+    async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on for CUDA, off on the CPU
     # vLLM's {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}, or its JSON text
     # (as `serve run ... speculative_config='{...}'` passes it); checked when a replica builds its engine.
     speculative_config: dict[str, Any] | str | None = None

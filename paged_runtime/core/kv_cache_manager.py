@@ -134,12 +134,14 @@ class KVCacheManager:
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += num_hit_tokens
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Hash and publish every block of ``request`` that is now full and written."""
+    def cache_computed_blocks(self, request: Request, num_written: int | None = None) -> None:
+        """Hash and publish every block of ``request`` that is now full and written: within its first
+        ``num_written`` tokens (default: its computed count)."""
         if not self.enable_caching or request.request_id not in self.tables:
             return
         table = self.tables[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_written = request.num_computed_tokens if num_written is None else num_written
+        num_full = min(num_written // self.block_size, len(table))
         first = self.num_hashed_blocks.get(request.request_id, 0)
         if num_full <= first:
             return
@@ -192,7 +194,7 @@ class KVCacheManager:
         self.table_ids[request_id][first:end] = [HOLE_BLOCK_ID] * len(released)
         self.num_holes[request_id] = end
         self.pool.free(reversed(released))
-        self._mark_changed(request_id, first)
+        self.mark_changed(request_id, first)
 
     def _plan(self, request: Request, num_new_tokens: int, computed: ComputedBlocks) -> tuple[int, bool, int]:
         """(new blocks to allocate, whether the tail must be copied first, tokens already computed)."""
@@ -241,7 +243,7 @@ class KVCacheManager:
         table.extend(new_blocks)
         ids.extend(b.block_id for b in new_blocks)
         if new_blocks:
-            self._mark_changed(request_id, num_old)
+            self.mark_changed(request_id, num_old)
         self._assert_private(request_id, num_computed, num_new_tokens)
         return True
 
@@ -272,11 +274,15 @@ class KVCacheManager:
         shared.ref_count -= 1  # still >= 1: others hold it
         self.pending_copies.append((shared.block_id, private.block_id))
         table[-1], ids[-1] = private, private.block_id
-        self._mark_changed(request_id, len(table) - 1)
+        self.mark_changed(request_id, len(table) - 1)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def restore_pending_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Copies taken for a step that never ran: they come first in the next take."""
+        self.pending_copies[:0] = copies
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's table, every block shared (ref count + 1)."""
@@ -292,7 +298,7 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.table_ids.get(request_id, [])
 
-    def _mark_changed(self, request_id: str, first: int) -> None:
+    def mark_changed(self, request_id: str, first: int) -> None:
         self.first_changed[request_id] = min(first, self.first_changed.get(request_id, first))
 
     def take_block_ids_update(self, request_id: str) -> tuple[int, list[int]] | None:

@@ -44,6 +44,18 @@ Speculative decoding: a decoding request may also get slots for draft tokens
 (``num_spec``), verified after its last token in the same step; drafts never
 cost anyone a preemption. After the step, accepted drafts count as computed and
 rejected ones' slots are simply written again later.
+
+A scheduled item's tokens count as computed from the moment it is scheduled (the KV is being
+written); ``update_from_output`` adds the accepted drafts. That lets the engine schedule step
+N + 1 while step N still runs (asynchronous scheduling): a request whose step-N item samples is
+scheduled again with that token as a placeholder (``ScheduledRequest.token_ids`` then lacks its
+last token: the runner has it from step N). The step runner executes steps in order, so any KV a
+step reads was written by an earlier one. Not scheduled ahead: a request verifying drafts (how
+many tokens it gets is unknown) or whose pending token ends it (length, ``max_model_len``, the
+LongRoPE switch). A request finished or preempted while its step ran keeps the engine's word: a
+finished one's tokens are dropped, a preempted one's are appended (they are valid) and it is
+recomputed later. Blocks are published to the prefix cache only up to tokens whose step has
+finished. ``unschedule`` rolls back a step that never ran.
 """
 from __future__ import annotations
 
@@ -93,6 +105,7 @@ class Scheduler:
         self.max_model_len = max_model_len  # None: no limit of its own (unit tests)
         self._failed: list[Request] = []  # finished with FINISHED_ERROR since the last take_failed
         self.rope_switch = rope_switch  # the model's LongRoPE switch length (None: it has none)
+        self._in_flight: dict[str, ScheduledRequest] = {}  # items scheduled whose output is not in yet
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -146,9 +159,13 @@ class Scheduler:
             if request.paused:
                 index += 1
                 continue
+            pending = self._num_pending(request)
+            if pending is None:  # its next tokens depend on the output of the step in flight
+                index += 1
+                continue
             if request.num_pending_forks and request.num_uncomputed_tokens == 1:
                 self._fork(request)
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget, pending)
             drafts = self._drafts(request, num_new, budget)
             while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
                 if drafts:  # speculation is optional: drop it before preempting anyone
@@ -174,13 +191,34 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         for item in scheduled:  # only now: an item can be preempted away within the step
             self._describe_for_runner(item)
+            self.requests[item.request_id].num_computed_tokens += item.num_new_tokens
+            self._in_flight[item.request_id] = item
         out = SchedulerOutput(scheduled, sum(s.num_scheduled for s in scheduled), num_preempted,
                               self.kv_cache.take_pending_copies(), self._finished_req_ids)
         self._finished_req_ids = []
         return out
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+    def _num_pending(self, request: Request) -> int | None:
+        """Tokens ``request`` is still being sampled by the step in flight: 0 or 1; None when its next
+        step must wait for that output (drafts under verification, a pending token that ends it, a fork)."""
+        item = self._in_flight.get(request.request_id)
+        if item is None:
+            return 0
+        if request.num_pending_forks and request.num_uncomputed_tokens == 1:
+            return None  # its siblings fork once the blocks they share are written and published
+        if not item.samples:
+            return 0
+        num_tokens = request.num_tokens + 1
+        if item.num_spec or request.num_output_tokens + 1 >= request.max_tokens:
+            return None
+        if self.max_model_len is not None and num_tokens >= self.max_model_len:
+            return None
+        if self.rope_switch is not None and num_tokens - 1 <= self.rope_switch < num_tokens:
+            return None
+        return 1
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int, pending: int = 0) -> int:
+        num_new = request.num_tokens + pending - num_computed
         if request.num_pending_forks:
             num_new -= 1  # stop before the last prompt token: that is where the siblings fork
         return min(num_new, budget)
@@ -246,8 +284,9 @@ class Scheduler:
         """``drafts``: known draft tokens, or None placeholders for the runner's draft model."""
         known = [] if None in drafts else list(drafts)
         start = request.num_computed_tokens
+        # A pending token (async scheduling) is past all_token_ids: the slice leaves it out, and it samples.
         return ScheduledRequest(request.request_id, start, num_new, request.all_token_ids[start:start + num_new],
-                                start + num_new == request.num_tokens, len(drafts), known)
+                                start + num_new >= request.num_tokens, len(drafts), known)
 
     def _describe_for_runner(self, item: ScheduledRequest) -> None:
         """What the runner lacks: the request's whole data the first time, then its block-table changes."""
@@ -317,36 +356,70 @@ class Scheduler:
 
     # ---- after the forward pass ---------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
-                           sampled: list[list[int]]) -> list[tuple[Request, list[int]]]:
-        """Advance computed counts, append sampled tokens, finish stopped requests.
+                           sampled: list[list[int]]) -> list[tuple[Request | None, list[int]]]:
+        """Append sampled tokens, count accepted drafts as computed, finish stopped requests.
 
         ``sampled[i]`` holds item i's new tokens: none for a prompt chunk that did not
         reach the end, one for a plain decode, accepted drafts + one for speculation
         (the accepted drafts' KV was computed; rejected ones' slots are simply rewritten
-        later). Returns each item's request and the tokens it actually appended: a stop cuts the rest.
+        later). Returns each item's request and the tokens it actually appended: a stop cuts the rest;
+        (None, []) for a request that finished while the step ran.
         """
         appended = []
         for item, tokens in zip(output.scheduled, sampled):
-            request = self.requests[item.request_id]
-            request.num_computed_tokens += item.num_new_tokens + max(0, len(tokens) - 1)
-            kept = []
-            status = None
-            for token_id in tokens:
-                request.append_token(token_id)
-                kept.append(token_id)
-                status = self._stop_status(request, token_id)
-                if status is not None:
-                    break
-            # After a stop inside the accepted drafts, KV past the last kept token is dropped.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self.kv_cache.cache_computed_blocks(request)  # only verified tokens are ever hashed
+            if self._in_flight.get(item.request_id) is item:
+                del self._in_flight[item.request_id]
+            request = self.requests.get(item.request_id)
+            if request is None:
+                appended.append((None, []))
+                continue
+            kept, status = self._append(request, tokens)
             appended.append((request, kept))
+            running = request.status == RequestStatus.RUNNING  # else preempted after this step was scheduled
+            if running:
+                # After a stop inside the accepted drafts, KV past the last kept token is dropped.
+                request.num_computed_tokens = min(request.num_computed_tokens + max(0, len(tokens) - 1),
+                                                  request.num_tokens)
+                self.kv_cache.cache_computed_blocks(request, self._num_finished_tokens(request))
             if status is not None:
-                self.running.remove(request)
+                (self.running if running else self.waiting).remove(request)
                 self._release(request, status)
             elif self._crossed_rope_switch(request, len(kept)):
                 self._recompute_long(request)
         return appended
+
+    def _append(self, request: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        kept = []
+        for token_id in tokens:
+            request.append_token(token_id)
+            kept.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                return kept, status
+        return kept, None
+
+    def _num_finished_tokens(self, request: Request) -> int:
+        """Computed tokens whose step has finished: the blocks that may be published."""
+        item = self._in_flight.get(request.request_id)
+        return request.num_computed_tokens - (item.num_new_tokens if item is not None else 0)
+
+    def unschedule(self, output: SchedulerOutput, resend: bool) -> None:
+        """Roll back a step that never ran: its live requests' computed counts; with ``resend``, also what it
+        told the runner (new requests, block-table changes, block copies, finished ids) is told again."""
+        for item in output.scheduled:
+            if self._in_flight.get(item.request_id) is item:
+                del self._in_flight[item.request_id]
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens -= item.num_new_tokens
+            if resend and item.new_request is not None:
+                self._known_to_runner.discard(item.request_id)
+            if resend and item.block_ids_update is not None:
+                self.kv_cache.mark_changed(item.request_id, item.block_ids_update[0])
+        if resend:
+            self._finished_req_ids[:0] = output.finished_req_ids
+            self.kv_cache.restore_pending_copies(output.block_copies)
 
     def _crossed_rope_switch(self, request: Request, num_appended: int) -> bool:
         switch = self.rope_switch
@@ -355,7 +428,8 @@ class Scheduler:
     def _recompute_long(self, request: Request) -> None:
         """``request`` just grew past ``rope_switch``: its KV, rotated short, is recomputed long from scratch."""
         _salt_long_rope(request)
-        self._requeue(request)
+        if request.status == RequestStatus.RUNNING:  # a preempted one is recomputed anyway
+            self._requeue(request)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params

@@ -111,7 +111,7 @@ class BeamSearchDriver:
     def _step(self, searches: list[_Search]) -> None:
         """One engine step; then a round for every search whose live beams all have a token."""
         candidates: dict[str, tuple[list[int], list[float]]] = {}
-        for update in self.core.step():
+        for update in self.core.step(sync=True):
             if update.logprobs is not None:
                 update.request.paused = True
                 candidates[update.request.request_id] = (update.logprobs.top_ids, update.logprobs.top_logprobs)

@@ -9,10 +9,21 @@ runner could not set up, else every request of the step) are finished with
 are checked, and ``StepFailure`` names their groups; everyone else goes on as if the step had
 not happened. An error anywhere else (the scheduler), a failed check, or a third forward pass
 in a row that fails, propagates: the state cannot be trusted and the engine must stop.
+
+Asynchronous scheduling (``EngineConfig.async_scheduling``; vLLM's ``--async-scheduling``): the
+runner executes steps on one step thread, in order, and ``step()`` schedules and launches step
+N + 1 before it waits for step N, so scheduling, output processing and the caller's work overlap
+the forward pass. A decoding request of step N is in step N + 1 with its token as a placeholder
+the runner fills in (see ``core/scheduler.py``). ``step()`` then returns step N's news: one step
+later than it happened, and nothing the first time. Stop strings and aborts applied between steps
+take effect within one step (a finished request's tokens from the step in flight are dropped).
+When step N fails, step N + 1 refuses to run (it was scheduled on outputs that never came) and is
+rolled back (``Scheduler.unschedule``) before step N's requests are failed as above.
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 # Forward passes that fail one after another, none succeeding between: the engine, not a batch, is broken.
 MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
+class StaleStep(Exception):
+    """Not run: the step before it failed, and this one was scheduled on that step's outputs."""
 
 
 class StepFailure(Exception):
@@ -124,10 +139,22 @@ class EngineCore:
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
                                   self.attention_backend, max_blocks, drafter, graphs)
         self.num_failed_steps_in_a_row = 0
+        self._step_thread = ThreadPoolExecutor(1, "paged-runtime-step") if self._async_scheduling(spec) else None
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None  # the step launched, not yet applied
+        self._failed_step = False  # the step thread refuses queued steps until the failure is contained
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
                     model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
-                    f"{self.ops.name} ops, {self.attention_backend} attention")
+                    f"{self.ops.name} ops, {self.attention_backend} attention"
+                    + (", asynchronous scheduling" if self._step_thread else ""))
+
+    def _async_scheduling(self, spec: SpeculativeConfig | None) -> bool:
+        """The configured choice; by default on for CUDA (host work hides behind the device's) and off on the
+        CPU, where the forward pass and the host share the same cores, and with speculative decoding."""
+        requested = self.config.async_scheduling
+        if requested is None:
+            return self.device.type == "cuda" and spec is None
+        return requested
 
     def _load_draft(self, spec: SpeculativeConfig, target: ModelConfig):
         path = resolve_model_path(spec.model, self.config.cache_dir)
@@ -148,40 +175,93 @@ class EngineCore:
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, status)
 
+    @property
+    def async_scheduling(self) -> bool:
+        return self._step_thread is not None
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
 
-    def step(self) -> list[StepUpdate]:
+    def step(self, sync: bool = False) -> list[StepUpdate]:
         """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs, and
-        (token_id None, status FINISHED_ERROR) every request the scheduler failed."""
+        (token_id None, status FINISHED_ERROR) every request the scheduler failed. With asynchronous
+        scheduling, the tokens are those of the step launched by the previous call, unless ``sync``
+        (beam search: its driver picks each beam's next token between steps)."""
+        if self._step_thread is None or sync:
+            return self._drain() + self._step_now()
+        out = self.scheduler.schedule()
+        failed = [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
+        launched = None if out.empty else (out, self._step_thread.submit(self._run, out))
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
+            return failed
+        return failed + self._complete(previous[0], previous[1].result, failed)
+
+    def _step_now(self) -> list[StepUpdate]:
         out = self.scheduler.schedule()
         failed = [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
         if out.empty:
             return failed
+        return failed + self._complete(out, lambda: self._run(out), failed)
+
+    def _drain(self) -> list[StepUpdate]:
+        """Wait for the step in flight and apply its output; its news."""
+        previous, self._in_flight = self._in_flight, None
+        return [] if previous is None else self._complete(previous[0], previous[1].result, [])
+
+    def _run(self, out: SchedulerOutput):
+        """The runner's output for ``out``; on the step thread with asynchronous scheduling (steps in order)."""
+        if self._failed_step:
+            raise StaleStep()
         try:
-            result = self.runner.execute(out)
-        except RequestSetupError as e:  # only these requests: the rest can run next step as scheduled
-            raise self._contain(e.request_ids, failed) from e.__cause__
-        except Exception as e:  # the forward pass or sampling: every request in it is suspect
-            self.num_failed_steps_in_a_row += 1
-            if self.num_failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-                raise  # not one bad batch: the device or the runner itself
-            raise self._contain([s.request_id for s in out.scheduled], failed) from e
+            return self.runner.execute(out)
+        except BaseException:
+            self._failed_step = True
+            raise
+
+    def _complete(self, out: SchedulerOutput, result, failed: list[StepUpdate]) -> list[StepUpdate]:
+        """Apply ``result()`` (the runner's output for ``out``) to the scheduler: the step's news."""
+        try:
+            output = result()
+        except Exception as e:
+            raise self._step_failed(out, e, failed) from (e.__cause__ if isinstance(e, RequestSetupError) else e)
         self.num_failed_steps_in_a_row = 0
-        appended = self.scheduler.update_from_output(out, result.token_ids)
+        appended = self.scheduler.update_from_output(out, output.token_ids)
         updates = []
-        for (request, tokens), logprobs, prompt_logprobs in zip(appended, result.logprobs, result.prompt_logprobs):
+        for (request, tokens), logprobs, prompt_logprobs in zip(appended, output.logprobs, output.prompt_logprobs):
+            if request is None:  # finished while the step ran
+                continue
             if prompt_logprobs is not None:
                 updates.append(StepUpdate(request, None, None, prompt_logprobs))
             updates += [StepUpdate(request, token_id, logprobs[i] if logprobs else None, None)
                         for i, token_id in enumerate(tokens)]
-        self._record_spec(out, result.token_ids)
+        self._record_spec(out, output.token_ids)
         if self.config.debug_checks:
             self.scheduler.check_invariants()
-        return failed + updates
+        return updates
+
+    def _step_failed(self, out: SchedulerOutput, error: Exception, failed: list[StepUpdate]) -> StepFailure:
+        """Contain a failed step: the step queued behind it is rolled back; the requests concerned fail (the one
+        the runner could not set up, else every request of the step), the others are rescheduled. Raises
+        ``error`` itself when the runner is broken (failures in a row)."""
+        queued, self._in_flight = self._in_flight, None
+        if queued is not None:
+            wait([queued[1]])  # it refuses to run (StaleStep): nothing of it reached the runner
+            self.scheduler.unschedule(queued[0], resend=True)
+        if isinstance(error, RequestSetupError):  # only these requests: the others' items did not run
+            self.scheduler.unschedule(out, resend=False)
+            request_ids = error.request_ids
+        else:  # the forward pass or sampling: every request in it is suspect
+            self.num_failed_steps_in_a_row += 1
+            if self.num_failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise error  # not one bad batch: the device or the runner itself
+            request_ids = [s.request_id for s in out.scheduled]
+        failure = self._contain(request_ids, failed)
+        self._failed_step = False
+        return failure
 
     def _contain(self, request_ids: list[str], updates: list[StepUpdate]) -> StepFailure:
         """Fail the groups of ``request_ids``; ``updates`` (what the scheduler failed this step) still go out."""
@@ -193,15 +273,22 @@ class EngineCore:
     def fail_groups(self, group_ids: list[str]) -> None:
         """Finish every sequence of these groups with FINISHED_ERROR (blocks freed, the runner's state
         dropped at once), then check the invariants; raises if the state cannot be trusted."""
+        self._wait_in_flight()
         groups = set(group_ids)
         failed = [rid for rid, r in self.scheduler.requests.items() if r.group_id in groups]
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         self.runner.retain(self.scheduler.requests)  # also rows of requests that finished normally
         self.check_invariants()
 
+    def _wait_in_flight(self) -> None:
+        """Let the step in flight finish (its output stays to be applied): the runner is then idle."""
+        if self._in_flight is not None:
+            wait([self._in_flight[1]])
+
     def check_invariants(self) -> None:
         """Blocks held exactly by the live requests' tables, free counts consistent, no finished request
         left in the scheduler or the runner, and (on CUDA) a device that still works."""
+        self._wait_in_flight()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a sticky device error surfaces here
         scheduler = self.scheduler

@@ -180,6 +180,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                         help="only 1: scale out with replicas (KServe / Ray Serve)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="plain PyTorch: no CUDA graphs on a GPU, no compiled decode kernels on the CPU")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule step N+1 while step N runs (default: on for CUDA without speculative "
+                             "decoding, off on the CPU)")
     engine.add_argument("--speculative-config", default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')

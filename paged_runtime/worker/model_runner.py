@@ -201,6 +201,10 @@ class ModelRunner:
         if s.block_ids_update is not None:
             self.states.update_blocks(state, *s.block_ids_update)
         state.write_tokens(s.start, s.token_ids)
+        # With asynchronous scheduling the item's last token can be one this runner sampled in the step before.
+        if len(state.token_ids) < s.start + s.num_new_tokens:
+            raise RuntimeError(f"{s.request_id}: tokens up to {s.start + s.num_new_tokens} scheduled, "
+                               f"{len(state.token_ids)} known")
         return StepItem(s.request_id, state.token_ids, state.row, s.start, s.num_new_tokens, list(s.spec_token_ids),
                         s.num_spec, s.samples)
 

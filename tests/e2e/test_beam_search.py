@@ -61,8 +61,8 @@ def test_dropped_beams_free_their_blocks_at_once(tiny_llama_dir):
     peak = []
     original = core.step
 
-    def step():
-        updates = original()
+    def step(sync=False):
+        updates = original(sync)
         live = len(core.scheduler.requests)
         held = core.num_blocks - core.kv_cache.num_free_blocks
         peak.append((live, held))

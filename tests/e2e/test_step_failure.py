@@ -4,6 +4,7 @@ Faults are injected into one marked request (its ``SamplingParams`` object): in 
 of that request (only it fails), in the forward pass of a batch holding it (the whole batch fails), and in
 its detokenizer (only it fails). Every other request must give the exact tokens of a fault-free run, and
 every KV block must come back. A fault that leaves the state untrusted still raises out of ``step``.
+Everything holds with asynchronous scheduling too, where the step queued behind a failed one is rolled back.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def greedy(max_tokens: int = 8, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_llama_dir, request):
+    return make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +113,19 @@ def test_detokenizer_fault_fails_only_that_request(llm, reference, monkeypatch, 
     assert_idle(llm)
 
 
-def test_untrusted_state_raises_and_says_so(tiny_llama_dir, caplog):
+def step_until_output(engine) -> list:
+    """The first step's outputs (with asynchronous scheduling, the second call brings the first step's)."""
+    for _ in range(2):
+        outputs = engine.step()
+        if outputs:
+            return outputs
+    return []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_untrusted_state_raises_and_says_so(tiny_llama_dir, caplog, async_scheduling):
     """A fault that also breaks the block accounting cannot be contained: ``step`` raises."""
-    llm = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20)
+    llm = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20, async_scheduling=async_scheduling)
     core = llm.engine.core
     real_run = core.runner._run
 
@@ -125,14 +136,15 @@ def test_untrusted_state_raises_and_says_so(tiny_llama_dir, caplog):
     core.runner._run = corrupting_run
     llm.engine.add_request("a", PROMPTS["a"], greedy())
     with caplog.at_level(logging.ERROR), pytest.raises(AssertionError):
-        llm.engine.step()
+        step_until_output(llm.engine)
     assert "cannot be trusted" in caplog.text
     core.runner._run = real_run
 
 
-def test_forward_passes_failing_in_a_row_mean_the_engine_is_broken(tiny_llama_dir, caplog):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_forward_passes_failing_in_a_row_mean_the_engine_is_broken(tiny_llama_dir, caplog, async_scheduling):
     """Not one bad batch but every batch: after the third failed step in a row, ``step`` raises."""
-    llm = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20)
+    llm = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20, async_scheduling=async_scheduling)
 
     def broken_run(items):
         raise RuntimeError("device fell over")
@@ -140,11 +152,11 @@ def test_forward_passes_failing_in_a_row_mean_the_engine_is_broken(tiny_llama_di
     llm.engine.core.runner._run = broken_run
     for i in range(2):
         llm.engine.add_request(f"r{i}", PROMPTS["a"], greedy())
-        [out] = llm.engine.step()
+        [out] = step_until_output(llm.engine)
         assert_failed(out)
     llm.engine.add_request("r2", PROMPTS["a"], greedy())
     with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="device fell over"):
-        llm.engine.step()
+        step_until_output(llm.engine)
     assert "cannot be trusted" in caplog.text
 
 
@@ -165,4 +177,32 @@ def test_a_fault_while_making_the_final_output_still_ends_the_request(llm, refer
     assert_failed(finals.pop("bad"))
     assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == reference
     assert "bad" not in engine.states
+    assert_idle(llm)
+
+
+def test_the_step_queued_behind_a_failed_one_is_rolled_back(tiny_llama_dir):
+    """Asynchronous scheduling: step N + 1 (which admits "a") is launched before step N (holding only "bad")
+    fails. It never runs; "a" is told to the runner again and finishes exactly."""
+    llm = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_memory=8 * 2**20, async_scheduling=True)
+    engine, runner, bad = llm.engine, llm.engine.core.runner, greedy()
+    expected = run(engine, {"a": (PROMPTS["a"], greedy())})["a"].outputs[0].token_ids
+    real_run, steps = runner._run, []
+
+    def faulty_run(items):
+        steps.append(len(items))
+        if any(runner.states[s.request_id].params is bad for s in items):
+            raise RuntimeError("device fell over")
+        return real_run(items)
+
+    runner._run = faulty_run
+    engine.add_request("bad", BAD_PROMPT, bad)
+    assert engine.step() == []  # step N launched
+    engine.add_request("a", PROMPTS["a"], greedy())
+    [out] = engine.step()  # step N + 1 (bad's next token, and "a") launched; step N fails
+    assert out.request_id == "bad"
+    assert_failed(out)
+    assert steps == [1], "the queued step must not reach the model"
+    finals = run(engine, {})
+    assert finals["a"].outputs[0].token_ids == expected
+    runner._run = real_run
     assert_idle(llm)
