@@ -10,16 +10,22 @@
 4. greedy rows take the argmax here;
 5. temperature, min_p, top-k / top-p;
 6. a random draw by the exponential race (argmax of p / Exp(1) noise): no
-   ``multinomial``, no host sync per request. A seeded request draws its noise
-   from its own generator, so its tokens do not depend on what else is in the batch;
+   ``multinomial``. A seeded request's noise comes from a seed it draws from its
+   own generator each step, so its tokens do not depend on what else is in the batch;
 7. logprobs of the sampled token (and its rank) and the top ones, from step 1.
 
 Rows with a top-k / top-p / min_p filter are sampled among their most likely
 candidates (a top-k of 64, then 1,024, then 8,192 tokens; a full sort for the
 rare row whose support is wider still): a row's noise then covers only its
-support instead of the whole vocabulary. Whether a row fits a width, and how
-many noise values it draws, depends on that row alone, which keeps seeded
-draws batch-invariant. Unfiltered rows race over the full vocabulary.
+candidates instead of the whole vocabulary. Which rung a row's token comes from,
+and what noise it draws, depends on that row alone, which keeps seeded draws
+batch-invariant. Unfiltered rows race over the full vocabulary.
+
+No device reads: greedy, sampled, filtered and top-k-only rows are told apart on
+the host (``HostRows``, the request parameters), indices reach the device by
+non-blocking copies, and a row's rung is picked on the device. The one exception:
+when top-p / min_p rows are present, whether they fit the first rung is read back
+once a step (their support depends on their logits).
 
 Each stage runs only when some row needs it; per-request data is gathered
 into dense (or, for penalties, sparse) tensors once per step by the model runner.
