@@ -62,7 +62,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off
     # allowed_token_ids: (rows [A] int64, blocked [A, V] bool: True where the row may not sample the token).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Sparse additions to the logits: (rows, token ids, values); -inf masks a token (bad words, min_tokens).
+    # Sparse additions to the logits: (rows, token ids, values), each (row, token) pair once (summed on the host:
+    # an accumulating index_put reads its indices' range back on CUDA); -inf masks a token (bad words, min_tokens).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
     num_logprobs: int | None = None  # top-k to gather for the rows that asked (max over them)
@@ -190,10 +191,10 @@ class _Rows:
     top_p: torch.Tensor | None
     seeds: list[int | None]  # this step's seed of a seeded row's noise; None: the engine's generator
 
-    def take(self, index: np.ndarray) -> _Rows:
+    def take(self, index: np.ndarray, at: torch.Tensor) -> _Rows:
+        """Rows ``index`` (host), ``at`` the same indices on the device."""
         if len(index) == self.logits.shape[0] and np.array_equal(index, np.arange(len(index))):
             return self
-        at = _index(index, self.logits.device)
         pick = lambda t: t[at] if t is not None else None
         return _Rows(self.logits[at], pick(self.top_k), pick(self.top_p), [self.seeds[i] for i in index])
 
@@ -228,7 +229,7 @@ class Sampler:
             logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
         if meta.logit_bias is not None:
             rows, cols, values = meta.logit_bias
-            logits.index_put_((rows, cols), values, accumulate=True)
+            logits[rows, cols] += values  # pairs are unique: no accumulate, no device read
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
@@ -243,11 +244,10 @@ class Sampler:
         greedy = host.temperature < 1e-5
         greedy_rows, sampled_rows = np.flatnonzero(greedy), np.flatnonzero(~greedy)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        greedy_at, at = to_device(logits.device, greedy_rows, sampled_rows)  # one copy for both
         if len(greedy_rows):
-            at = _index(greedy_rows, logits.device)
-            tokens[at] = logits[at].argmax(dim=-1)
+            tokens[greedy_at] = logits[greedy_at].argmax(dim=-1)
         if len(sampled_rows):
-            at = _index(sampled_rows, logits.device)
             pick = lambda t: t[at] if t is not None else None
             scaled = logits[at].div_(meta.temperature[at].unsqueeze(1))
             if meta.min_p is not None:
@@ -275,7 +275,8 @@ class Sampler:
             self._sample_filtered(rows, host, np.flatnonzero(filtered), tokens)
         unfiltered = np.flatnonzero(~filtered)
         if len(unfiltered):
-            tokens[_index(unfiltered, tokens.device)] = self._sample_vocabulary(rows.take(unfiltered))
+            at = _index(unfiltered, tokens.device)
+            tokens[at] = self._sample_vocabulary(rows.take(unfiltered, at))
         return tokens
 
     def _sample_filtered(self, rows: _Rows, host: HostRows, pending: np.ndarray, tokens: torch.Tensor) -> None:
@@ -292,8 +293,8 @@ class Sampler:
         for width in _CANDIDATE_WIDTHS + (vocab,):  # the whole vocabulary always fits
             if not len(pending):
                 break
-            fits, chosen = self._sample_candidates(rows.take(pending), width)
             at = _index(pending, tokens.device)
+            fits, chosen = self._sample_candidates(rows.take(pending, at), width)
             fresh = fits & ~settled[at]
             tokens[at] = torch.where(fresh, chosen, tokens[at])
             settled[at] = settled[at] | fits
@@ -376,6 +377,9 @@ class Sampler:
         top = raw.topk(meta.num_logprobs, dim=-1) if meta.num_logprobs else None
         if rows is None:
             return SamplerOutput(tokens, sampled, ranks, top.indices if top else None, top.values if top else None)
-        scatter = lambda values: values.new_zeros((tokens.shape[0],) + values.shape[1:]).index_copy_(0, rows, values)
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            out = values.new_zeros((tokens.shape[0],) + values.shape[1:])
+            out[rows] = values
+            return out
         return SamplerOutput(tokens, scatter(sampled), scatter(ranks), scatter(top.indices) if top else None,
                              scatter(top.values) if top else None)

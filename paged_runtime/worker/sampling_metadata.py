@@ -61,20 +61,25 @@ def build_sampling_metadata(requests: list[CachedRequest], states: RequestStates
 
 
 def _logit_bias(requests: list[CachedRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Sparse (rows, token ids, values): the request's logit_bias, -inf on the bad words' tokens that would
-    complete one, and -inf on EOS / stop tokens while fewer than min_tokens have been generated."""
-    rows, cols, values = [], [], []
+    """Sparse (rows, token ids, values), each (row, token) once: the request's logit_bias, -inf on the bad
+    words' tokens that would complete one, and -inf on EOS / stop tokens while fewer than min_tokens have
+    been generated. A token named twice gets the sum (-inf wins), as adding each entry in turn would."""
+    added: dict[tuple[int, int], float] = {}
+
+    def add(row: int, token_id: int, value: float) -> None:
+        added[row, token_id] = added.get((row, token_id), 0.0) + value
     for row, request in enumerate(requests):
         p = request.params
         for token_id, bias in (p.logit_bias or {}).items():
-            rows.append(row), cols.append(token_id), values.append(bias)
+            add(row, token_id, bias)
         for token_id in _bad_word_tokens(request):
-            rows.append(row), cols.append(token_id), values.append(float("-inf"))
+            add(row, token_id, float("-inf"))
         if request.num_output_tokens < p.min_tokens:
             for token_id in sorted(request.eos_token_ids | set(p.stop_token_ids)):
-                rows.append(row), cols.append(token_id), values.append(float("-inf"))
-    if not rows:
+                add(row, token_id, float("-inf"))
+    if not added:
         return None
+    (rows, cols), values = zip(*added), list(added.values())
     return np.array(rows, np.int64), np.array(cols, np.int64), np.array(values, np.float32)
 
 

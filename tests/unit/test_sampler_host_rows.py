@@ -131,3 +131,17 @@ def test_a_top_p_row_that_misses_a_rung_takes_its_first_fit(monkeypatch):
                          for _ in range(30)]
     assert draws[(2, 8, 64)] == draws[()]
     assert all(keep[t] for t in draws[()])
+
+
+def test_logit_bias_names_each_token_once_and_a_mask_wins():
+    """A bad word's token also biased (or named by two words) is one -inf entry: no accumulating index_put."""
+    from paged_runtime.sampling_params import SamplingParams
+    from paged_runtime.worker.request_states import CachedRequest
+    from paged_runtime.worker.sampling_metadata import _logit_bias
+    params = SamplingParams(logit_bias={7: 2.0, 3: -1.5}, min_tokens=5)
+    params.bad_words_token_ids = [[7], [1, 7], [9]]
+    request = CachedRequest("r", 0, [5, 1], 1, params, frozenset({2, 9}), None, None)
+    rows, cols, values = _logit_bias([request])
+    assert sorted(zip(cols.tolist(), values.tolist())) == [(2, float("-inf")), (3, -1.5), (7, float("-inf")),
+                                                           (9, float("-inf"))]
+    assert rows.tolist() == [0] * 4
