@@ -21,6 +21,7 @@ import torch
 
 from paged_runtime.batch import StepBatch
 from paged_runtime.kernels import triton_ops
+from paged_runtime.utils.device_inputs import to_device
 
 
 @dataclass(slots=True)
@@ -57,8 +58,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def build_metadata(batch: StepBatch, device: torch.device) -> TritonAttentionMetadata:
-    """Every item is one causal varlen query: decodes, prompt chunks and verifications alike."""
-    to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
-    return TritonAttentionMetadata(to(batch.slot_mapping, np.int64), to(batch.query_start_loc, np.int32),
-                                   to(batch.seq_lens, np.int32), to(batch.block_tables, np.int32), batch.block_size,
-                                   int(batch.query_lens.max()), int(batch.seq_lens.max()))
+    """Every item is one causal varlen query: decodes, prompt chunks and verifications alike.
+    The four index arrays reach the device in one non-blocking copy (``utils.device_inputs``)."""
+    host = lambda a, dtype: np.ascontiguousarray(a, dtype=dtype)
+    tensors = to_device(device, host(batch.slot_mapping, np.int64), host(batch.query_start_loc, np.int32),
+                        host(batch.seq_lens, np.int32), host(batch.block_tables, np.int32))
+    return TritonAttentionMetadata(*tensors, batch.block_size, int(batch.query_lens.max()), int(batch.seq_lens.max()))

@@ -10,25 +10,35 @@
 4. greedy rows take the argmax here;
 5. temperature, min_p, top-k / top-p;
 6. a random draw by the exponential race (argmax of p / Exp(1) noise): no
-   ``multinomial``, no host sync per request. A seeded request draws its noise
-   from its own generator, so its tokens do not depend on what else is in the batch;
+   ``multinomial``. A seeded request's noise comes from a seed it draws from its
+   own generator each step, so its tokens do not depend on what else is in the batch;
 7. logprobs of the sampled token (and its rank) and the top ones, from step 1.
 
 Rows with a top-k / top-p / min_p filter are sampled among their most likely
 candidates (a top-k of 64, then 1,024, then 8,192 tokens; a full sort for the
 rare row whose support is wider still): a row's noise then covers only its
-support instead of the whole vocabulary. Whether a row fits a width, and how
-many noise values it draws, depends on that row alone, which keeps seeded
-draws batch-invariant. Unfiltered rows race over the full vocabulary.
+candidates instead of the whole vocabulary. Which rung a row's token comes from,
+and what noise it draws, depends on that row alone, which keeps seeded draws
+batch-invariant. Unfiltered rows race over the full vocabulary.
+
+No device reads: greedy, sampled, filtered and top-k-only rows are told apart on
+the host (``HostRows``, the request parameters), indices reach the device by
+non-blocking copies, and a row's rung is picked on the device. The one exception:
+when top-p / min_p rows are present, whether they fit the first rung is read back
+once a step (their support depends on their logits).
 
 Each stage runs only when some row needs it; per-request data is gathered
 into dense (or, for penalties, sparse) tensors once per step by the model runner.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from paged_runtime.utils.device_inputs import to_device
 
 
 @dataclass(slots=True)
@@ -52,13 +62,58 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off
     # allowed_token_ids: (rows [A] int64, blocked [A, V] bool: True where the row may not sample the token).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Sparse additions to the logits: (rows, token ids, values); -inf masks a token (bad words, min_tokens).
+    # Sparse additions to the logits: (rows, token ids, values), each (row, token) pair once (summed on the host:
+    # an accumulating index_put reads its indices' range back on CUDA); -inf masks a token (bad words, min_tokens).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
     num_logprobs: int | None = None  # top-k to gather for the rows that asked (max over them)
     logprob_rows: torch.Tensor | None = None  # [L] the rows that asked; None = every row
     # Structured outputs: (constrained rows, int32 bitmask [N, ceil(V / 32)], xgrammar's layout).
     grammar_bitmask: tuple[list[int], torch.Tensor] | None = None
+    host: HostRows | None = None  # host copies of temperature / top_k / top_p / min_p; None: read from the tensors
+
+
+@dataclass(slots=True)
+class HostRows:
+    """Host copies of the per-row parameters (fancy-indexed from the runner's numpy arrays): the sampler
+    tells greedy, filtered and top-k-only rows apart with these, never by reading the device."""
+    temperature: np.ndarray  # [N] float32, 0 = greedy
+    top_k: np.ndarray | None = None  # [N] int64, vocab size = off
+    top_p: np.ndarray | None = None  # [N] float32, 1 = off
+    min_p: np.ndarray | None = None  # [N] float32, 0 = off
+
+    @classmethod
+    def read(cls, meta: SamplingMetadata) -> HostRows:
+        """From the metadata's tensors, for metadata built without host copies (a device read on CUDA)."""
+        host = lambda t: t.cpu().numpy() if t is not None else None
+        return cls(host(meta.temperature), host(meta.top_k), host(meta.top_p), host(meta.min_p))
+
+    def take(self, rows: np.ndarray) -> HostRows:
+        pick = lambda a: a[rows] if a is not None else None
+        return HostRows(self.temperature[rows], pick(self.top_k), pick(self.top_p), pick(self.min_p))
+
+    def data_dependent(self) -> np.ndarray:
+        """[N] bool: a top-p or min_p filter, whose support depends on the row's logits."""
+        out = np.zeros(len(self.temperature), dtype=bool)
+        if self.top_p is not None:
+            out |= self.top_p < 1
+        if self.min_p is not None:
+            out |= self.min_p > 0
+        return out
+
+    def filtered(self, vocab: int) -> np.ndarray:
+        """[N] bool: a filter can make the row's support smaller than the vocabulary."""
+        out = self.data_dependent()
+        if self.top_k is not None:
+            out |= self.top_k < vocab
+        return out
+
+    def top_k_fits(self, width: int, vocab: int) -> np.ndarray:
+        """[N] bool: the row's top-k lies within its ``width`` best candidates (so its support does)."""
+        if self.top_k is None:
+            return np.zeros(len(self.temperature), dtype=bool)
+        k = np.maximum(self.top_k, 1)
+        return (k < vocab) & (k <= width)
 
 
 @dataclass(slots=True)
@@ -75,7 +130,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
     for the listed rows only. Bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
     if not rows:
         return
-    at = torch.tensor(rows, device=logits.device)
+    at = _index(rows, logits.device)
     words = bitmask[at].to(logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
@@ -134,20 +189,28 @@ class _Rows:
     logits: torch.Tensor  # [R, V]
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
-    generators: list[torch.Generator | None]
+    seeds: list[int | None]  # this step's seed of a seeded row's noise; None: the engine's generator
 
-    def take(self, index: list[int]) -> _Rows:
-        if index == list(range(self.logits.shape[0])):
+    def take(self, index: np.ndarray, at: torch.Tensor) -> _Rows:
+        """Rows ``index`` (host), ``at`` the same indices on the device."""
+        if len(index) == self.logits.shape[0] and np.array_equal(index, np.arange(len(index))):
             return self
-        at = torch.tensor(index, device=self.logits.device)
         pick = lambda t: t[at] if t is not None else None
-        return _Rows(self.logits[at], pick(self.top_k), pick(self.top_p), [self.generators[i] for i in index])
+        return _Rows(self.logits[at], pick(self.top_k), pick(self.top_p), [self.seeds[i] for i in index])
+
+
+def _index(rows, device: torch.device) -> torch.Tensor:
+    """Row indices (host) as an int64 tensor on ``device``, copied without a stream sync."""
+    return to_device(device, np.asarray(rows, dtype=np.int64))[0]
 
 
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
         self._scratch = torch.Generator(device=generator.device)  # reseeded per seeded row per step
+        # A seeded request's generator on the device would need a device read per draw: its seeds come from
+        # a CPU twin seeded alike (a CPU generator is its own twin, so the CPU path draws as it always did).
+        self._host_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         source = logits
@@ -166,7 +229,7 @@ class Sampler:
             logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
         if meta.logit_bias is not None:
             rows, cols, values = meta.logit_bias
-            logits.index_put_((rows, cols), values, accumulate=True)
+            logits[rows, cols] += values  # pairs are unique: no accumulate, no device read
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
@@ -176,49 +239,73 @@ class Sampler:
         return self._with_logprobs(tokens, raw_logprobs, meta)
 
     def _greedy_and_sampled(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = meta.temperature < 1e-5
+        """Rows are split on the host, from the request parameters (``meta.host``): no device read."""
+        host = meta.host if meta.host is not None else HostRows.read(meta)
+        greedy = host.temperature < 1e-5
+        greedy_rows, sampled_rows = np.flatnonzero(greedy), np.flatnonzero(~greedy)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        greedy_rows, sampled_rows = greedy.nonzero().squeeze(1), (~greedy).nonzero().squeeze(1)
-        if greedy_rows.numel():
-            tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        if sampled_rows.numel():
-            pick = lambda t: t[sampled_rows] if t is not None else None
-            scaled = logits[sampled_rows].div_(meta.temperature[sampled_rows].unsqueeze(1))
+        greedy_at, at = to_device(logits.device, greedy_rows, sampled_rows)  # one copy for both
+        if len(greedy_rows):
+            tokens[greedy_at] = logits[greedy_at].argmax(dim=-1)
+        if len(sampled_rows):
+            pick = lambda t: t[at] if t is not None else None
+            scaled = logits[at].div_(meta.temperature[at].unsqueeze(1))
             if meta.min_p is not None:
-                scaled = apply_min_p(scaled, meta.min_p[sampled_rows])
-            generators = [meta.generators[i] for i in sampled_rows.tolist()]
-            tokens[sampled_rows] = self._sample(_Rows(scaled, pick(meta.top_k), pick(meta.top_p), generators),
-                                                filtered=pick(self._filtered(meta, logits.shape[-1])))
+                scaled = apply_min_p(scaled, meta.min_p[at])
+            seeds = [self._seed(meta.generators[i]) for i in sampled_rows]
+            tokens[at] = self._sample(_Rows(scaled, pick(meta.top_k), pick(meta.top_p), seeds),
+                                      host.take(sampled_rows), logits.shape[-1])
         return tokens
 
-    @staticmethod
-    def _filtered(meta: SamplingMetadata, vocab: int) -> torch.Tensor:
-        """[N] bool: a filter can make the row's support smaller than the vocabulary."""
-        filtered = torch.zeros_like(meta.temperature, dtype=torch.bool)
-        if meta.top_k is not None:
-            filtered |= meta.top_k < vocab
-        if meta.top_p is not None:
-            filtered |= meta.top_p < 1
-        if meta.min_p is not None:
-            filtered |= meta.min_p > 0
-        return filtered
+    def _seed(self, generator: torch.Generator | None) -> int | None:
+        """A seeded row's one draw from its own generator this step (on the host: no device read)."""
+        if generator is None:
+            return None
+        twin = generator
+        if generator.device.type != "cpu":
+            twin = self._host_twins.get(generator)
+            if twin is None:
+                twin = self._host_twins[generator] = torch.Generator().manual_seed(generator.initial_seed())
+        return int(torch.randint(2**62, (1,), generator=twin))
 
-    def _sample(self, rows: _Rows, filtered: torch.Tensor) -> torch.Tensor:
+    def _sample(self, rows: _Rows, host: HostRows, vocab: int) -> torch.Tensor:
         tokens = torch.empty(rows.logits.shape[0], dtype=torch.long, device=rows.logits.device)
-        pending = filtered.nonzero().squeeze(1).tolist()
-        for width in _CANDIDATE_WIDTHS + (rows.logits.shape[-1],):  # the whole vocabulary always fits
-            if not pending:
-                break
-            fits, chosen = self._sample_candidates(rows.take(pending), width)
-            fit_list = fits.tolist()
-            done = [row for row, ok in zip(pending, fit_list) if ok]
-            if done:
-                tokens[torch.tensor(done, device=tokens.device)] = chosen[fits]
-            pending = [row for row, ok in zip(pending, fit_list) if not ok]
-        unfiltered = (~filtered).nonzero().squeeze(1).tolist()
-        if unfiltered:
-            tokens[torch.tensor(unfiltered, device=tokens.device)] = self._sample_vocabulary(rows.take(unfiltered))
+        filtered = host.filtered(vocab)
+        if filtered.any():
+            self._sample_filtered(rows, host, np.flatnonzero(filtered), tokens)
+        unfiltered = np.flatnonzero(~filtered)
+        if len(unfiltered):
+            at = _index(unfiltered, tokens.device)
+            tokens[at] = self._sample_vocabulary(rows.take(unfiltered, at))
         return tokens
+
+    def _sample_filtered(self, rows: _Rows, host: HostRows, pending: np.ndarray, tokens: torch.Tensor) -> None:
+        """The candidate ladder. Each rung races the pending rows over their ``width`` most likely tokens
+        and a row takes the token of the first rung it fits (decided on the device). Which rows go on
+        to the next rung is decided on the host: a top-k-only row fits once k <= width (its support is
+        known); a top-p / min_p row's fit depends on its logits, so the first rung's fits are read back
+        once (the sampler's only device read, and only for such rows), and a row that missed it then
+        stays in every later rung (its first fit still wins) rather than costing a read per rung."""
+        vocab = rows.logits.shape[-1]
+        data_dependent = host.data_dependent()
+        settled = torch.zeros(rows.logits.shape[0], dtype=torch.bool, device=tokens.device)
+        read = False
+        for width in _CANDIDATE_WIDTHS + (vocab,):  # the whole vocabulary always fits
+            if not len(pending):
+                break
+            at = _index(pending, tokens.device)
+            fits, chosen = self._sample_candidates(rows.take(pending, at), width)
+            fresh = fits & ~settled[at]
+            tokens[at] = torch.where(fresh, chosen, tokens[at])
+            settled[at] = settled[at] | fits
+            if width >= vocab:
+                break
+            stays = ~host.top_k_fits(width, vocab)[pending]  # a top-k row within the width always fits
+            dependent = data_dependent[pending] & stays
+            if dependent.any() and not read:
+                read = True
+                stays[dependent] = ~np.asarray(fits.tolist(), dtype=bool)[dependent]
+            pending = pending[stays]
 
     def _sample_candidates(self, rows: _Rows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Race among each row's ``width`` most likely tokens. Returns (fits [R] bool, tokens [R]);
@@ -250,36 +337,32 @@ class Sampler:
             if rows.top_k is not None:  # the renormalised mass is only right when top-k lies within
                 closes &= (rows.top_k >= vocab) | (rows.top_k <= width)
             fits |= closes
-        support = keep.sum(dim=-1).masked_fill(~fits, 0)  # rows that do not fit draw nothing here
         weights = (values - values[:, :1]).exp().masked_fill(~keep, 0)
-        noise = self._noise(weights, rows.generators, support.tolist())
+        noise = self._noise(weights, rows.seeds)
         return fits, ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
 
     def _sample_vocabulary(self, rows: _Rows) -> torch.Tensor:
         """Unfiltered rows: the race over every token."""
         probs = rows.logits.softmax(dim=-1)
-        return probs.div_(self._noise(probs, rows.generators, None)).argmax(dim=-1)
+        return probs.div_(self._noise(probs, rows.seeds)).argmax(dim=-1)
 
-    def _noise(self, like: torch.Tensor, generators: list[torch.Generator | None],
-               lengths: list[int] | None) -> torch.Tensor:
-        """Exp(1) noise shaped like ``like``. A seeded row takes exactly one value from its own
-        generator per step (in the one rung it fits) and seeds a scratch generator with it for its
-        first ``lengths[i]`` values (all when None; the rest of its row is 1; 0 draws nothing): how
-        far its generator advances must not depend on its support size or on how many rungs it
-        tried, which can shift at a numerically close boundary."""
-        noise = torch.ones_like(like) if lengths is not None else torch.empty_like(like)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if len(shared) == len(generators):
+    def _noise(self, like: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        """Exp(1) noise shaped like ``like``. A seeded row's comes from a scratch generator seeded with its
+        seed for this step (one draw from its own generator, ``_seed``, whatever rungs it tries), so it
+        depends on the request alone. Only the row's support (a prefix of its candidates) weighs in the
+        race, and a CPU generator's first n values do not depend on how many are drawn, so drawing the
+        whole row draws what drawing only the support would, and needs no device read of its size."""
+        shared = [i for i, seed in enumerate(seeds) if seed is None]
+        noise = torch.empty_like(like)
+        if len(shared) == len(seeds):
             return noise.exponential_(generator=self.generator)
         if shared:
-            at = torch.tensor(shared, device=like.device)
-            noise[at] = torch.empty(len(shared), like.shape[1], device=like.device).exponential_(
-                generator=self.generator)
-        for i, g in enumerate(generators):
-            if g is not None and (lengths is None or lengths[i]):  # a row that did not fit draws nothing
-                seed = int(torch.randint(2**62, (1,), generator=g, device=g.device))
+            noise[_index(shared, like.device)] = torch.empty(len(shared), like.shape[1], device=like.device
+                                                            ).exponential_(generator=self.generator)
+        for i, seed in enumerate(seeds):
+            if seed is not None:
                 self._scratch.manual_seed(seed)
-                noise[i, :like.shape[1] if lengths is None else lengths[i]].exponential_(generator=self._scratch)
+                noise[i].exponential_(generator=self._scratch)
         return noise
 
     @staticmethod
@@ -294,6 +377,9 @@ class Sampler:
         top = raw.topk(meta.num_logprobs, dim=-1) if meta.num_logprobs else None
         if rows is None:
             return SamplerOutput(tokens, sampled, ranks, top.indices if top else None, top.values if top else None)
-        scatter = lambda values: values.new_zeros((tokens.shape[0],) + values.shape[1:]).index_copy_(0, rows, values)
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            out = values.new_zeros((tokens.shape[0],) + values.shape[1:])
+            out[rows] = values
+            return out
         return SamplerOutput(tokens, scatter(sampled), scatter(ranks), scatter(top.indices) if top else None,
                              scatter(top.values) if top else None)

@@ -33,6 +33,7 @@ from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRo
 from paged_runtime.worker.grammar_masks import GrammarMaskFiller, GrammarMasks
 from paged_runtime.utils.cpu import huge_page_zeros, keep_freed_memory_mapped
 from paged_runtime.worker.cuda_graphs import DecodeGraphs
+from paged_runtime.utils.device_inputs import to_device, to_host
 from paged_runtime.worker.request_states import CachedRequest, RequestStates
 
 
@@ -129,7 +130,7 @@ class ModelRunner:
             meta = build_sampling_metadata(requests, self.states)
             if masks is not None and masks.sample_rows:
                 meta.grammar_bitmask = (masks.sample_rows, masks.sample)
-            rows = torch.as_tensor(ends[sampling] - 1, device=self.device)
+            rows, = to_device(self.device, ends[sampling] - 1)
             sampled = self.sampler(self.model.compute_logits(hidden[rows]), meta)
             self._store_samples(result, sampling, requests, sampled)
         if spec_rows:
@@ -147,8 +148,7 @@ class ModelRunner:
         """``model``'s hidden states for ``items`` (in ``layout_order``) over its bound caches."""
         batch = build_batch(items, self.states.block_tables, self.block_size)
         meta = self.build_metadata(batch, self.device)
-        to = lambda a: torch.from_numpy(a).to(self.device)
-        input_ids, positions = to(batch.token_ids), to(self._rope_positions(model, items, batch))
+        input_ids, positions = to_device(self.device, batch.token_ids, self._rope_positions(model, items, batch))
         hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None and model is self.model else None
         return model(input_ids, positions, meta) if hidden is None else hidden
 
@@ -239,11 +239,11 @@ class ModelRunner:
     @staticmethod
     def _store_samples(result: RunnerOutput, positions: list[int], requests: list[CachedRequest],
                        sampled: SamplerOutput) -> None:
-        tokens = sampled.token_ids.tolist()
-        if sampled.logprobs is not None:
-            logprobs, ranks = sampled.logprobs.tolist(), sampled.ranks.tolist()
-            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        # One device read for the step: the tokens and any logprobs come back together.
+        fields = (sampled.token_ids, sampled.logprobs, sampled.ranks, sampled.top_ids, sampled.top_logprobs)
+        present = [f for f in fields if f is not None]
+        back = iter(t.tolist() for t in to_host(*present))
+        tokens, logprobs, ranks, top_ids, top_lps = (next(back) if f is not None else None for f in fields)
         for j, (k, request) in enumerate(zip(positions, requests)):
             result.token_ids[k] = [tokens[j]]
             if sampled.logprobs is not None and request.params.needs_logprobs:
