@@ -2,8 +2,9 @@
 
 Builds the embedded SmolLM2 (bfloat16), prefills ``--batch`` random prompts
 of ``--context`` tokens, then times ``--steps`` decode steps and profiles
-three more. Prints ms/step, tok/s and the top operators by self CPU time;
-writes benchmarks/results/profile-step-b<batch>-c<context>.json.
+three more. Prints ms/step, tok/s, the top operators by self CPU time and, on CUDA, the host syncs
+per step (stream, device and event synchronizations: the runner's one sanctioned read is an
+event wait, so counting stream syncs alone would show 0); writes benchmarks/results/profile-step-b<batch>-c<context>.json.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_step.py --batch 128 --context 300
 """
@@ -16,11 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from paged_runtime import LLM, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def main(argv=None) -> int:
@@ -43,21 +46,24 @@ def main(argv=None) -> int:
     for _ in range(args.steps):
         engine.step()
     step_s = (time.perf_counter() - start) / args.steps
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(3):
             engine.step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     rows = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3000, "share": e.self_cpu_time_total / total}
             for e in events]
-    print(f"batch {args.batch} x context {args.context}: {step_s * 1000:.1f} ms/step, {args.batch / step_s:.0f} tok/s")
+    syncs = sum(e.count for e in prof.key_averages() if e.key in SYNC_CALLS) / 3 if cuda else None
+    print(f"batch {args.batch} x context {args.context}: {step_s * 1000:.1f} ms/step, {args.batch / step_s:.0f} tok/s"
+          + (f", {syncs:.1f} host syncs/step" if cuda else ""))
     print(f"{'operator':55s} {'ms/step':>9s} {'share':>7s}")
     for r in rows:
         print(f"{r['op'][:55]:55s} {r['self_ms_per_step']:9.1f} {r['share']:7.1%}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"profile-step-b{args.batch}-c{args.context}.json"
     out.write_text(json.dumps({"parameters": vars(args), "ms_per_step": step_s * 1000,
-                               "tok_s": args.batch / step_s, "top_ops": rows}, indent=2) + "\n")
+                               "tok_s": args.batch / step_s, "syncs_per_step": syncs, "top_ops": rows}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 
