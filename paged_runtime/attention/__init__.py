@@ -50,6 +50,11 @@ def select_backend(device: torch.device, cpu_kernels: bool, requested: str | Non
         if requested == "cpu" and not cpu_kernels:
             raise ValueError("attention_backend cpu needs the CPU kernels (on the CPU, not enforce_eager)")
         return requested
-    if device.type == "cuda" and triton_available():
+    if uses_triton(device, None):
         return "triton"
     return "cpu" if cpu_kernels else "torch"
+
+
+def uses_triton(device: torch.device, requested: str | None) -> bool:
+    """Whether ``select_backend`` picks triton whatever the op set (the op set's own choice follows it)."""
+    return requested == "triton" or (not requested and device.type == "cuda" and triton_available())

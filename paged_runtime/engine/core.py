@@ -33,7 +33,7 @@ from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.models.loader import load_model, resolve_model_path
-from paged_runtime.attention import select_backend
+from paged_runtime.attention import select_backend, uses_triton
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
@@ -114,7 +114,7 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         self.ops = select_ops(self.device, self.dtype, False if config.enforce_eager else config.cpu_kernels,
-                              config.cache_dir)
+                              config.cache_dir, triton=uses_triton(self.device, config.attention_backend))
         model = load_model(model_path, self.max_model_len, self.dtype, self.device, self.ops)
         spec = config.speculative_config
         draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None

@@ -1,4 +1,5 @@
-"""The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv`` and ``triton_paged_attention``.
+"""The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv``, ``triton_paged_attention`` and the
+fused layer ops (``triton_rms_norm``, ``triton_add_rms_norm``, ``triton_rope_``, ``triton_silu_mul``).
 
 Defining the ops imports no Triton: each implementation imports its kernel module
 on first call (see ``paged_runtime.kernels`` for why). They are registered for
@@ -30,14 +31,55 @@ def _paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: t
                            scale, num_kv_splits, window=window, softcap=softcap)
 
 
-LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
-LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
+LIB.define("triton_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+LIB.define("triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
+LIB.define("triton_rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()")
+LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from paged_runtime.kernels.fused import add_rms_norm
+    return add_rms_norm(x, None, weight, eps)[0]
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from paged_runtime.kernels.fused import add_rms_norm
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def _rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           head_dim: int) -> None:
+    from paged_runtime.kernels.fused import rope_
+    rope_(qkv, num_heads, head_dim, positions, cos, sin)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    from paged_runtime.kernels.fused import silu_mul
+    return silu_mul(gate_up)
+
+
+for _name, _impl in (("triton_store_kv", _store_kv), ("triton_paged_attention", _paged_attention),
+                     ("triton_rms_norm", _rms_norm), ("triton_add_rms_norm", _add_rms_norm),
+                     ("triton_rope_", _rope_), ("triton_silu_mul", _silu_mul)):
+    LIB.impl(_name, _impl, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping: None, lib=LIB)
 torch.library.register_fake("paged_runtime::triton_paged_attention",
                             lambda q, *args: torch.empty_like(q), lib=LIB)
 
+torch.library.register_fake("paged_runtime::triton_rms_norm", lambda x, *args: torch.empty_like(x), lib=LIB)
+torch.library.register_fake("paged_runtime::triton_add_rms_norm",
+                            lambda x, *args: (torch.empty_like(x), torch.empty_like(x)), lib=LIB)
+torch.library.register_fake("paged_runtime::triton_rope_", lambda *args: None, lib=LIB)
+torch.library.register_fake("paged_runtime::triton_silu_mul",
+                            lambda g: g.new_empty(g.shape[0], g.shape[1] // 2), lib=LIB)
+
 store_kv = torch.ops.paged_runtime.triton_store_kv
 paged_attention = torch.ops.paged_runtime.triton_paged_attention
+rms_norm = torch.ops.paged_runtime.triton_rms_norm
+add_rms_norm = torch.ops.paged_runtime.triton_add_rms_norm
+rope_ = torch.ops.paged_runtime.triton_rope_
+silu_mul = torch.ops.paged_runtime.triton_silu_mul
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:

@@ -12,6 +12,15 @@
   oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a
   head) takes ``TorchOps``' RoPE: the kernel rotates whole heads.
 
+- ``TritonOps``: on CUDA (and, for the tests, wherever the Triton backend is forced under
+  ``TRITON_INTERPRET=1``), the ``paged_runtime::triton_*`` fused layer ops (``kernels/fused.py``):
+  residual add + RMSNorm, RoPE of q and k in place, SiLU-and-mul, one kernel each. A Llama decoder
+  layer's decode step then launches: input norm (fused with the previous layer's residual add), QKV
+  GEMM, RoPE, K/V store, attention (+ its split-KV reduction on long contexts), O GEMM, post-attention
+  add + norm, gate/up GEMM, SiLU-and-mul, down GEMM: 10 kernels (11 split). ``TorchOps`` launches 26
+  more for the same layer (counted with torch.profiler: add + RMSNorm is 9 ops, twice; RoPE 10, plus
+  4 per step for the tables; SiLU-and-mul 2). Gemma's norm and GeGLU stay ``TorchOps``'.
+
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
 """
@@ -238,6 +247,39 @@ class CpuKernelOps(TorchOps):
                                      scale, eps, window or 0)
 
 
+class TritonOps(TorchOps):
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from paged_runtime.kernels import triton_ops
+        x = x.contiguous()
+        if residual is None:
+            return triton_ops.rms_norm(x, weight, eps), x
+        return triton_ops.add_rms_norm(x, residual.contiguous(), weight, eps)
+
+    @staticmethod
+    def rope_inputs(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        return positions, cos, sin
+
+    @staticmethod
+    def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
+        from paged_runtime.kernels import triton_ops
+        positions, cos, sin = rope_inputs
+        if cos.shape[-1] != head_dim:  # partial rotary: the kernel rotates whole heads
+            return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
+        q_size, kv_size, _ = sizes
+        qkv = qkv.contiguous()
+        triton_ops.rope_(qkv, positions, cos, sin, (q_size + kv_size) // head_dim, head_dim)
+        return split_heads(qkv, sizes, head_dim)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        from paged_runtime.kernels import triton_ops
+        return triton_ops.silu_mul(gate_up.contiguous())
+
+
 def _onednn_packing() -> bool:
     try:
         return torch.backends.mkldnn.is_available() and callable(torch.ops.mkldnn._reorder_linear_weight)
@@ -254,9 +296,14 @@ def available_memory() -> int:
         return 0
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir) -> TorchOps:
-    """The one place that picks the arithmetic: the compiled CPU kernels on the CPU for float32/bfloat16 when
-    ``use_kernels`` is True, or None (auto) and the CPU has their vector paths, and they build; else PyTorch."""
+def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir,
+               triton: bool = False) -> TorchOps:
+    """The one place that picks the arithmetic: the fused Triton ops with ``triton`` (the Triton attention
+    backend: chosen on CUDA, or forced) unless ``use_kernels`` is False; the compiled CPU kernels on the CPU for
+    float32/bfloat16 when ``use_kernels`` is True, or None (auto) and the CPU has their vector paths, and they
+    build; else PyTorch."""
+    if triton and use_kernels is not False:
+        return TritonOps()
     if use_kernels is False or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
         return TorchOps()
     if use_kernels is None and not cpu_kernels.has_vector_paths():
