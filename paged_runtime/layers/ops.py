@@ -11,6 +11,11 @@
   sums (and attention keeps its probabilities in fp32). Larger batches multiply with
   oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a
   head) takes ``TorchOps``' RoPE: the kernel rotates whole heads.
+- ``TritonOps``: CUDA's set (and the CPU's under ``TRITON_INTERPRET=1`` when the engine's
+  attention backend is forced to ``triton``): Llama's residual add + RMSNorm, RoPE and
+  SiLU-and-mul as one Triton launch each (``paged_runtime::triton_*``, ``kernels/fused.py``),
+  rounding where ``TorchOps`` rounds; the rest (products, Gemma's norm and GeGLU, MoE) is
+  ``TorchOps``'.
 
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_runtime.kernels import cpu as cpu_kernels
+from paged_runtime.kernels import triton_available, triton_ops
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +244,46 @@ class CpuKernelOps(TorchOps):
                                      scale, eps, window or 0)
 
 
+class TritonOps(TorchOps):
+    """Fewer launches per decoder layer. A Llama decoder layer's decode step on CUDA launches, with
+    TorchOps: input norm (add, cast, pow, mean, add eps, rsqrt, mul, cast, mul by weight: ~9), qkv GEMM,
+    RoPE on q and k (slices, neg, cat, 2 muls, add, each twice, plus the shared cos/sin gather and casts
+    once per step: ~14), store_kv, attention, o_proj GEMM, post-attention norm (~9), gate_up GEMM,
+    SiLU-and-mul (chunk views, silu, mul: 2), down GEMM: ~38 launches. With TritonOps: the two norms
+    (add + norm fused: 1 each), RoPE (q and k in one in-place pass: 1), SiLU-and-mul (1), plus the four
+    GEMMs, store_kv and attention: 10 launches (``tests/kernels/test_fused.py`` counts the ops each
+    layer dispatches with ``torch.profiler``)."""
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``TorchOps.rms_norm``; both results are new tensors (no input is written)."""
+        if residual is None:
+            return triton_ops.rms_norm(x, weight, eps), x
+        return tuple(triton_ops.add_rms_norm(x, residual, weight, eps))
+
+    @staticmethod
+    def rope_inputs(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        """The positions and the fp32 tables: the kernel reads the rows itself."""
+        return positions.contiguous(), cos, sin
+
+    @staticmethod
+    def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
+        """As ``TorchOps.rope``, rotating qkv's q and k heads in place (one launch for both)."""
+        positions, cos, sin = rope_inputs
+        if cos.shape[-1] != head_dim:  # partial rotary: the kernel rotates whole heads
+            return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
+        q_size, kv_size, _ = sizes
+        qkv = qkv.contiguous()
+        triton_ops.rope_(qkv, (q_size + kv_size) // head_dim, head_dim, positions, cos, sin)
+        return split_heads(qkv, sizes, head_dim)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return triton_ops.silu_mul(gate_up.contiguous())
+
+
 def _onednn_packing() -> bool:
     try:
         return torch.backends.mkldnn.is_available() and callable(torch.ops.mkldnn._reorder_linear_weight)
@@ -254,9 +300,14 @@ def available_memory() -> int:
         return 0
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir) -> TorchOps:
-    """The one place that picks the arithmetic: the compiled CPU kernels on the CPU for float32/bfloat16 when
-    ``use_kernels`` is True, or None (auto) and the CPU has their vector paths, and they build; else PyTorch."""
+def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir,
+               triton: bool = False) -> TorchOps:
+    """The one place that picks the arithmetic: the Triton kernels on CUDA where Triton imports, or anywhere
+    when ``triton`` (the engine's attention backend forced to triton: on the CPU that is the interpreter,
+    for tests); the compiled CPU kernels on the CPU for float32/bfloat16 when ``use_kernels`` is True, or
+    None (auto) and the CPU has their vector paths, and they build; else PyTorch."""
+    if triton or (device.type == "cuda" and triton_available()):
+        return TritonOps()
     if use_kernels is False or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
         return TorchOps()
     if use_kernels is None and not cpu_kernels.has_vector_paths():
