@@ -245,14 +245,17 @@ class CpuKernelOps(TorchOps):
 
 
 class TritonOps(TorchOps):
-    """Fewer launches per decoder layer. A Llama decoder layer's decode step on CUDA launches, with
-    TorchOps: input norm (add, cast, pow, mean, add eps, rsqrt, mul, cast, mul by weight: ~9), qkv GEMM,
-    RoPE on q and k (slices, neg, cat, 2 muls, add, each twice, plus the shared cos/sin gather and casts
-    once per step: ~14), store_kv, attention, o_proj GEMM, post-attention norm (~9), gate_up GEMM,
-    SiLU-and-mul (chunk views, silu, mul: 2), down GEMM: ~38 launches. With TritonOps: the two norms
-    (add + norm fused: 1 each), RoPE (q and k in one in-place pass: 1), SiLU-and-mul (1), plus the four
-    GEMMs, store_kv and attention: 10 launches (``tests/kernels/test_fused.py`` counts the ops each
-    layer dispatches with ``torch.profiler``)."""
+    """Fewer launches per decoder layer. The ops a Llama decoder layer dispatches in a one-row decode step
+    (views and allocations left out; counted with a TorchDispatchMode on the CPU, the tiny Llama, triton
+    attention; each is about one CUDA kernel):
+
+    - TorchOps, 36: per norm (x2) add, to(fp32), pow, mean, add eps, rsqrt, mul, to(dtype), mul by weight (9);
+      qkv linear; RoPE of q, then of k: mul, neg, cat, mul, add (10); store_kv; attention; o linear;
+      gate_up linear; silu, mul; down linear. (In fp32 the four casts are no-ops: 32.) Once per step, not
+      per layer: cos/sin gathered and cast to the model dtype (4).
+    - TritonOps, 10: add+norm, qkv linear, RoPE of q and k (one in-place pass), store_kv, attention, o linear,
+      add+norm, gate_up linear, silu-and-mul, down linear (``tests/kernels/test_fused.py`` asserts this list).
+    """
     name = "triton"
 
     @staticmethod

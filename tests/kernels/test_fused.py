@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paged_runtime.layers.ops import TorchOps, TritonOps
 
@@ -72,3 +73,70 @@ def test_empty_batch():
     x = randn(0, 32)
     assert TritonOps.rms_norm(x, randn(32), 1e-6, x.clone())[0].shape == (0, 32)
     assert TritonOps.silu_mul(randn(0, 64)).shape == (0, 32)
+
+
+def test_triton_path_greedy_matches_transformers(tiny_llama_dir):
+    """The model on TritonOps and the triton attention backend: transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import hf_greedy, make_llm
+    from paged_runtime import SamplingParams
+    prompt = [5, 900, 31, 4000, 77, 12]
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", max_model_len=64, max_num_seqs=2,
+                   kv_cache_memory=2**18)
+    assert isinstance(llm.engine.core.ops, TritonOps)
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    assert list(got) == hf_greedy(hf, prompt, 4)
+
+
+class OpLog(TorchDispatchMode):
+    """The ops dispatched while ``on``, one list per call of the hooked module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on, self.calls = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on:
+            self.calls[-1].append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that launch no kernel (views and allocations).
+NO_LAUNCH = {"aten::view", "aten::split_with_sizes", "aten::flatten", "aten::empty_like", "aten::empty",
+             "aten::new_empty", "aten::slice", "aten::unsqueeze", "aten::t", "aten::detach"}
+
+
+def test_decode_layer_launches_ten_kernels(tiny_llama_dir):
+    """A decoder layer in a one-row decode step: two add+norms, RoPE, SiLU-and-mul, four GEMMs, store, attention."""
+    from conftest import make_llm
+    from paged_runtime import SamplingParams
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", max_model_len=64, max_num_seqs=2,
+                   kv_cache_memory=2**18)
+    log = OpLog()
+
+    def start(module, args):
+        log.on = args[0].shape[0] == 1
+        log.calls.append([])
+
+    layer = llm.engine.core.runner.model.layers[1]
+    layer.register_forward_pre_hook(start)
+    layer.register_forward_hook(lambda *_: setattr(log, "on", False))
+    with log:
+        llm.generate([{"prompt_token_ids": [5, 900, 31]}], SamplingParams(max_tokens=2, temperature=0,
+                     ignore_eos=True), use_tqdm=False)
+    decode = [op for op in log.calls[-1] if op not in NO_LAUNCH]
+    assert decode == ["paged_runtime::triton_add_rms_norm", "aten::linear", "paged_runtime::triton_rope_",
+                      "paged_runtime::triton_store_kv", "paged_runtime::triton_paged_attention", "aten::linear",
+                      "paged_runtime::triton_add_rms_norm", "aten::linear", "paged_runtime::triton_silu_mul",
+                      "aten::linear"]
+
+
+def test_select_ops_takes_triton_on_cuda_or_when_the_backend_is_forced(tmp_path):
+    from paged_runtime.layers.ops import select_ops
+    assert type(select_ops(torch.device("cpu"), torch.float32, False, tmp_path, triton=True)) is TritonOps
+    assert type(select_ops(torch.device("cpu"), torch.float32, False, tmp_path)) is TorchOps
+    if torch.cuda.is_available():
+        assert type(select_ops(torch.device("cuda"), torch.bfloat16, None, tmp_path)) is TritonOps
