@@ -261,7 +261,10 @@ class TritonOps(TorchOps):
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``TorchOps.rms_norm``; both results are new tensors (no input is written)."""
+        """As ``TorchOps.rms_norm``; both results are new tensors (no input is written). Rows ([T, H], rows may
+        be strided: OLMoE's q/k slices) take the kernel; anything else TorchOps."""
+        if x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+            return TorchOps.rms_norm(x, weight, eps, residual)
         if residual is None:
             return triton_ops.rms_norm(x, weight, eps), x
         return tuple(triton_ops.add_rms_norm(x, residual, weight, eps))

@@ -140,3 +140,10 @@ def test_select_ops_takes_triton_on_cuda_or_when_the_backend_is_forced(tmp_path)
     assert type(select_ops(torch.device("cpu"), torch.float32, False, tmp_path)) is TorchOps
     if torch.cuda.is_available():
         assert type(select_ops(torch.device("cuda"), torch.bfloat16, None, tmp_path)) is TritonOps
+
+
+def test_rms_norm_of_strided_rows():
+    """OLMoE norms q and k as column slices of the fused qkv rows."""
+    qkv, weight = randn(3, 96, seed=8), randn(32, seed=9)
+    torch.testing.assert_close(TritonOps.rms_norm(qkv[:, 32:64], weight, 1e-6)[0],
+                               TorchOps.rms_norm(qkv[:, 32:64].contiguous(), weight, 1e-6)[0], **TOL[torch.float32])
