@@ -114,7 +114,8 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         self.ops = select_ops(self.device, self.dtype, False if config.enforce_eager else config.cpu_kernels,
-                              config.cache_dir, triton=uses_triton(self.device, config.attention_backend))
+                              config.cache_dir,
+                              triton=not config.enforce_eager and uses_triton(self.device, config.attention_backend))
         model = load_model(model_path, self.max_model_len, self.dtype, self.device, self.ops)
         spec = config.speculative_config
         draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None

@@ -1,5 +1,6 @@
 """The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv``, ``triton_paged_attention`` and the
-fused layer ops (``triton_rms_norm``, ``triton_add_rms_norm``, ``triton_rope_``, ``triton_silu_mul``).
+fused layer ops of ``TritonOps`` (``triton_rms_norm``, ``triton_add_rms_norm``, ``triton_rope_``,
+``triton_silu_mul``; ``kernels/fused.py``).
 
 Defining the ops imports no Triton: each implementation imports its kernel module
 on first call (see ``paged_runtime.kernels`` for why). They are registered for
@@ -16,6 +17,10 @@ LIB.define("triton_store_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot
 LIB.define("triton_paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
            "Tensor block_tables, int block_size, int max_query_len, float scale, int num_kv_splits, int window=0, "
            "float softcap=0.) -> Tensor")
+LIB.define("triton_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+LIB.define("triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
+LIB.define("triton_rope_(Tensor(a!) qkv, int num_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin) -> ()")
+LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
 
 
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -31,25 +36,19 @@ def _paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: t
                            scale, num_kv_splits, window=window, softcap=softcap)
 
 
-LIB.define("triton_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
-LIB.define("triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
-LIB.define("triton_rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()")
-LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from paged_runtime.kernels.fused import add_rms_norm
-    return add_rms_norm(x, None, weight, eps)[0]
+    from paged_runtime.kernels.fused import rms_norm
+    return rms_norm(x, weight, eps)[0]
 
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from paged_runtime.kernels.fused import add_rms_norm
-    return add_rms_norm(x, residual, weight, eps)
+    from paged_runtime.kernels.fused import rms_norm
+    return rms_norm(x, weight, eps, residual)
 
 
-def _rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-           head_dim: int) -> None:
+def _rope(qkv: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
     from paged_runtime.kernels.fused import rope_
     rope_(qkv, num_heads, head_dim, positions, cos, sin)
 
@@ -59,20 +58,21 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate_up)
 
 
-for _name, _impl in (("triton_store_kv", _store_kv), ("triton_paged_attention", _paged_attention),
-                     ("triton_rms_norm", _rms_norm), ("triton_add_rms_norm", _add_rms_norm),
-                     ("triton_rope_", _rope_), ("triton_silu_mul", _silu_mul)):
-    LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
+LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping: None, lib=LIB)
 torch.library.register_fake("paged_runtime::triton_paged_attention",
                             lambda q, *args: torch.empty_like(q), lib=LIB)
 
-torch.library.register_fake("paged_runtime::triton_rms_norm", lambda x, *args: torch.empty_like(x), lib=LIB)
+for _name, _impl in (("triton_rms_norm", _rms_norm), ("triton_add_rms_norm", _add_rms_norm),
+                     ("triton_rope_", _rope), ("triton_silu_mul", _silu_mul)):
+    LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+torch.library.register_fake("paged_runtime::triton_rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=LIB)
 torch.library.register_fake("paged_runtime::triton_add_rms_norm",
-                            lambda x, *args: (torch.empty_like(x), torch.empty_like(x)), lib=LIB)
-torch.library.register_fake("paged_runtime::triton_rope_", lambda *args: None, lib=LIB)
+                            lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)), lib=LIB)
+torch.library.register_fake("paged_runtime::triton_rope_", lambda qkv, *args: None, lib=LIB)
 torch.library.register_fake("paged_runtime::triton_silu_mul",
-                            lambda g: g.new_empty(g.shape[0], g.shape[1] // 2), lib=LIB)
+                            lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2), lib=LIB)
 
 store_kv = torch.ops.paged_runtime.triton_store_kv
 paged_attention = torch.ops.paged_runtime.triton_paged_attention

@@ -11,15 +11,11 @@
   sums (and attention keeps its probabilities in fp32). Larger batches multiply with
   oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a
   head) takes ``TorchOps``' RoPE: the kernel rotates whole heads.
-
-- ``TritonOps``: on CUDA (and, for the tests, wherever the Triton backend is forced under
-  ``TRITON_INTERPRET=1``), the ``paged_runtime::triton_*`` fused layer ops (``kernels/fused.py``):
-  residual add + RMSNorm, RoPE of q and k in place, SiLU-and-mul, one kernel each. A Llama decoder
-  layer's decode step then launches: input norm (fused with the previous layer's residual add), QKV
-  GEMM, RoPE, K/V store, attention (+ its split-KV reduction on long contexts), O GEMM, post-attention
-  add + norm, gate/up GEMM, SiLU-and-mul, down GEMM: 10 kernels (11 split). ``TorchOps`` launches 26
-  more for the same layer (counted with torch.profiler: add + RMSNorm is 9 ops, twice; RoPE 10, plus
-  4 per step for the tables; SiLU-and-mul 2). Gemma's norm and GeGLU stay ``TorchOps``'.
+- ``TritonOps``: CUDA's set (and the CPU's under ``TRITON_INTERPRET=1`` when the engine's
+  attention backend is forced to ``triton``): Llama's residual add + RMSNorm, RoPE and
+  SiLU-and-mul as one Triton launch each (``paged_runtime::triton_*``, ``kernels/fused.py``),
+  rounding where ``TorchOps`` rounds; the rest (products, Gemma's norm and GeGLU, MoE) is
+  ``TorchOps``'.
 
 Residuals are carried beside the hidden state (``rms_norm(x, w, eps, residual)``
 returns the normed input and ``residual + x``), so the add and the norm are one call.
@@ -32,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_runtime.kernels import cpu as cpu_kernels
+from paged_runtime.kernels import triton_ops
 
 logger = logging.getLogger(__name__)
 
@@ -248,35 +245,48 @@ class CpuKernelOps(TorchOps):
 
 
 class TritonOps(TorchOps):
+    """Fewer launches per decoder layer. The ops a Llama decoder layer dispatches in a one-row decode step
+    (views and allocations left out; counted with a TorchDispatchMode on the CPU, the tiny Llama, triton
+    attention; each is about one CUDA kernel):
+
+    - TorchOps, 36: per norm (x2) add, to(fp32), pow, mean, add eps, rsqrt, mul, to(dtype), mul by weight (9);
+      qkv linear; RoPE of q, then of k: mul, neg, cat, mul, add (10); store_kv; attention; o linear;
+      gate_up linear; silu, mul; down linear. (In fp32 the four casts are no-ops: 32.) Once per step, not
+      per layer: cos/sin gathered and cast to the model dtype (4).
+    - TritonOps, 10: add+norm, qkv linear, RoPE of q and k (one in-place pass), store_kv, attention, o linear,
+      add+norm, gate_up linear, silu-and-mul, down linear (``tests/kernels/test_fused.py`` asserts this list).
+    """
     name = "triton"
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        from paged_runtime.kernels import triton_ops
-        x = x.contiguous()
+        """As ``TorchOps.rms_norm``; both results are new tensors (no input is written). Rows ([T, H], rows may
+        be strided: OLMoE's q/k slices) take the kernel; anything else TorchOps."""
+        if x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+            return TorchOps.rms_norm(x, weight, eps, residual)
         if residual is None:
             return triton_ops.rms_norm(x, weight, eps), x
-        return triton_ops.add_rms_norm(x, residual.contiguous(), weight, eps)
+        return tuple(triton_ops.add_rms_norm(x, residual, weight, eps))
 
     @staticmethod
     def rope_inputs(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-        return positions, cos, sin
+        """The positions and the fp32 tables: the kernel reads the rows itself."""
+        return positions.contiguous(), cos, sin
 
     @staticmethod
     def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
-        from paged_runtime.kernels import triton_ops
+        """As ``TorchOps.rope``, rotating qkv's q and k heads in place (one launch for both)."""
         positions, cos, sin = rope_inputs
         if cos.shape[-1] != head_dim:  # partial rotary: the kernel rotates whole heads
             return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
         q_size, kv_size, _ = sizes
         qkv = qkv.contiguous()
-        triton_ops.rope_(qkv, positions, cos, sin, (q_size + kv_size) // head_dim, head_dim)
+        triton_ops.rope_(qkv, (q_size + kv_size) // head_dim, head_dim, positions, cos, sin)
         return split_heads(qkv, sizes, head_dim)
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        from paged_runtime.kernels import triton_ops
         return triton_ops.silu_mul(gate_up.contiguous())
 
 
@@ -298,11 +308,12 @@ def available_memory() -> int:
 
 def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir,
                triton: bool = False) -> TorchOps:
-    """The one place that picks the arithmetic: the fused Triton ops with ``triton`` (the Triton attention
-    backend: chosen on CUDA, or forced) unless ``use_kernels`` is False; the compiled CPU kernels on the CPU for
+    """The one place that picks the arithmetic: the Triton kernels with ``triton`` (the engine's attention
+    backend is triton, on CUDA by default, on the CPU only forced, under the interpreter, for tests; and not
+    enforce_eager); the compiled CPU kernels on the CPU for
     float32/bfloat16 when ``use_kernels`` is True, or None (auto) and the CPU has their vector paths, and they
     build; else PyTorch."""
-    if triton and use_kernels is not False:
+    if triton:
         return TritonOps()
     if use_kernels is False or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
         return TorchOps()
