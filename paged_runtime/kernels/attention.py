@@ -115,13 +115,13 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_
     return max(1, min(SPLIT_MAX_SEGMENTS, -(-wanted // programs), max_seq_len // SPLIT_MIN_SEGMENT_LEN))
 
 
-def tile_shape(head_dim_p: int, max_query_len: int) -> tuple[int, int, int]:
+def tile_shape(head_dim: int, max_query_len: int) -> tuple[int, int, int]:
     """(TILE_N, num_warps, num_stages) for a launch: wide key tiles for decode-only batches
     (their score tile has BLOCK_M = 16ish rows, so the width is all that sizes each load),
     today's 32-key tiles when prompt rows can fill BLOCK_M = 64."""
     if max_query_len > 1:
         return PREFILL_TILE_N, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
-    tile_n = next(n for limit, n in DECODE_TILE_N if head_dim_p <= limit)
+    tile_n = next(n for limit, n in DECODE_TILE_N if triton.next_power_of_2(head_dim) <= limit)
     return tile_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
 
 
@@ -291,7 +291,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     group = num_heads // num_kv_heads
     block_m, block_q = _block_shape(group, max_query_len)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    tile_n, num_warps, num_stages = tile_shape(head_dim_p, max_query_len)
+    tile_n, num_warps, num_stages = tile_shape(head_dim, max_query_len)
     split = num_splits > 1
     assert num_splits <= SPLIT_MAX_SEGMENTS, "the reduction is sized for SPLIT_MAX_SEGMENTS"
     if split:

@@ -203,7 +203,7 @@ def test_split_rule_bounds_and_graph_sizes():
 def test_tile_shapes():
     """Decode-only launches get wide key tiles by head dim; prompt rows keep 32-key tiles."""
     assert attention.tile_shape(64, 1)[0] == 128
-    assert attention.tile_shape(128, 1)[0] == 64  # head dims 80 and 128 both pad to 128
+    assert attention.tile_shape(80, 1)[0] == attention.tile_shape(128, 1)[0] == 64  # 80 pads to 128
     assert attention.tile_shape(256, 1)[0] == 32
     assert attention.tile_shape(128, 2) == (attention.PREFILL_TILE_N, attention.PREFILL_NUM_WARPS,
                                             attention.PREFILL_NUM_STAGES)
@@ -247,3 +247,13 @@ def test_store_skips_padding_slots():
     expected[slot_mapping[real]] = torch.stack((k[real], v[real]), dim=1)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
     assert cache.isnan().sum() == (32 - 5) * 2 * kv_heads * head_dim  # the 2 padding tokens wrote nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 at the benchmark's shape: GPU only")
+@pytest.mark.parametrize("batch, context", [(1, 4096), (3, 2000), (8, 4096)])
+def test_bf16_decode_at_the_benchmark_shape(batch, context):
+    """Llama-3-8B attention (32 / 8 heads, D 128, blocks of 16) split by the device's own rule."""
+    b = make_batch(batch, [1] * batch, [context] * batch, 16, 32, 8, 128, torch.bfloat16)
+    splits = attention.num_kv_splits(batch, 8, 1, context)
+    assert splits > 1
+    assert_matches_oracle(b, splits)
