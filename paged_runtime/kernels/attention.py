@@ -60,9 +60,10 @@ below for the next GPU run to tune:
   small. The partials cost batch x H x segments x D x 4 bytes twice (write, then the
   reduction's read): at batch 1, 32 heads, 32 segments, D 128 that is 0.5 MiB against
   16 MiB of K/V at 4k.
-* Decode tiles (``max_query_len == 1``): DECODE_TILE_N keys per step by head dim (128 keys
-  up to D = 64, 64 up to D = 128, 32 beyond, so a K plus V stage stays <= 32 KiB of shared
-  memory in bf16 and DECODE_NUM_STAGES stages fit), against PREFILL_TILE_N = 32 for batches
+* Decode tiles (``max_query_len == 1``): DECODE_TILE_N keys per step by the bytes of a key's
+  row (bf16/fp16: 128 keys up to D = 64, 64 up to D = 128, 32 beyond; fp32 one step
+  narrower), so a K plus V stage stays <= 32 KiB of shared memory and DECODE_NUM_STAGES
+  stages fit, against PREFILL_TILE_N = 32 for batches
   with prompt rows, whose [BLOCK_M, TILE_N] score tiles are 4x taller. Keys and values are
   both loaded as [TILE_N, D] tiles, contiguous along the head dim (one cache row of a KV
   head is D adjacent elements), and K enters the dot transposed (``tl.trans``), so both
@@ -78,7 +79,8 @@ import triton.language as tl
 PREFILL_TILE_N = 32
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 3  # Triton's CUDA defaults: the shapes measured before issue 18
-DECODE_TILE_N = ((64, 128), (128, 64), (1 << 30, 32))  # (largest padded head dim, keys per step)
+# (largest bytes of one key's padded head-dim row, keys per step): a K + V stage of at most 32 KiB.
+DECODE_TILE_N = ((128, 128), (256, 64), (1 << 30, 32))
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # Split-KV rule (see num_kv_splits).
@@ -115,13 +117,15 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_
     return max(1, min(SPLIT_MAX_SEGMENTS, -(-wanted // programs), max_seq_len // SPLIT_MIN_SEGMENT_LEN))
 
 
-def tile_shape(head_dim: int, max_query_len: int) -> tuple[int, int, int]:
+def tile_shape(head_dim: int, max_query_len: int, element_size: int = 2) -> tuple[int, int, int]:
     """(TILE_N, num_warps, num_stages) for a launch: wide key tiles for decode-only batches
     (their score tile has BLOCK_M = 16ish rows, so the width is all that sizes each load),
+    as wide as keeps a K + V stage within 32 KiB of shared memory for the cache's element size;
     today's 32-key tiles when prompt rows can fill BLOCK_M = 64."""
     if max_query_len > 1:
         return PREFILL_TILE_N, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
-    tile_n = next(n for limit, n in DECODE_TILE_N if triton.next_power_of_2(head_dim) <= limit)
+    row_bytes = triton.next_power_of_2(head_dim) * element_size
+    tile_n = next(n for limit, n in DECODE_TILE_N if row_bytes <= limit)
     return tile_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
 
 
@@ -291,7 +295,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     group = num_heads // num_kv_heads
     block_m, block_q = _block_shape(group, max_query_len)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    tile_n, num_warps, num_stages = tile_shape(head_dim, max_query_len)
+    tile_n, num_warps, num_stages = tile_shape(head_dim, max_query_len, kv_cache.element_size())
     split = num_splits > 1
     assert num_splits <= SPLIT_MAX_SEGMENTS, "the reduction is sized for SPLIT_MAX_SEGMENTS"
     if split:

@@ -205,14 +205,17 @@ def test_tile_shapes():
     assert attention.tile_shape(64, 1)[0] == 128
     assert attention.tile_shape(80, 1)[0] == attention.tile_shape(128, 1)[0] == 64  # 80 pads to 128
     assert attention.tile_shape(256, 1)[0] == 32
+    assert attention.tile_shape(64, 1, element_size=4)[0] == 64  # fp32: a K + V stage stays <= 32 KiB
+    assert attention.tile_shape(128, 1, element_size=4)[0] == 32
     assert attention.tile_shape(128, 2) == (attention.PREFILL_TILE_N, attention.PREFILL_NUM_WARPS,
                                             attention.PREFILL_NUM_STAGES)
 
 
 # (context lengths, splits, head dim, query heads, KV heads, block size): decode-only batches of 1 and 3
-# sequences with many segments. Decode tiles are 128 keys at D 64, 64 at D 80 / 128, so most segments of a
-# few-hundred-key context are empty, and 700 keys / 3 segments (6 tiles of 128 at D 64 -> 2, 2, 2) or
-# 600 keys / 4 segments (10 tiles of 64 -> 3, 3, 3, 1) leave uneven last segments.
+# sequences with many segments (fp16 for even counts, fp32 for odd). Decode tiles are 128 keys at D 64 and 64 at
+# D 80 / 128 in fp16, half that in fp32, so most segments of a few-hundred-key context are empty, and 700 keys
+# in fp32 D 64 (11 tiles of 64 -> 4, 4, 3 over 3 segments) or 600 keys in fp16 D 128 (10 tiles of 64 -> 3, 3,
+# 3, 1 over 4 segments) leave uneven last segments.
 MANY_SEGMENTS = [
     ([300], 32, 64, 8, 1, 16),
     ([450], 64, 128, 4, 1, 32),
