@@ -9,7 +9,9 @@ What it measures (one CUDA device, named in every figure)
         (32 query heads, 8 KV heads, head dim 128, bfloat16, blocks of 16 tokens, block
         tables scattered at random over the cache), contexts 512 .. 32k and batch 1 .. 256
         (pairs whose KV exceeds --kv-gib are skipped). The Triton kernel runs as the
-        runtime runs it (split-KV by the same rule); achieved bandwidth = KV bytes read
+        runtime runs it (split-KV by the same rule; each JSON row records the segment count,
+        the SM count it came from and the tile shape: tile_n, num_warps, num_stages, the
+        constants in paged_runtime/kernels/attention.py to tune); achieved bandwidth = KV bytes read
         (batch x context x KV heads x head dim x 2 x 2 bytes) / time, and its share of
         copy bandwidth. Next to it ``scaled_dot_product_attention`` on contiguous
         [batch, KV heads, context, head dim] K/V (``enable_gqa``): the peer without paging.
@@ -148,7 +150,9 @@ def _decode_row(cache, batch: int, context: int, bytes_per_token: int, copy_bw: 
                                                            s["block_size"], 1, scale, splits, out=out))
     sdpa_ms = _sdpa_ms(q, batch, context, scale)
     kv_bytes = batch * context * bytes_per_token
+    tile_n, num_warps, num_stages = attention.tile_shape(s["head_dim"], 1)
     return {"batch": batch, "context": context, "splits": splits, "kv_bytes": kv_bytes,
+            "sm_count": attention.sm_count(), "tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages,
             "triton_us": triton_ms * 1e3, "triton_gb_s": kv_bytes / triton_ms / 1e6,
             "triton_copy_share": kv_bytes / (triton_ms / 1e3) / copy_bw,
             "sdpa_us": sdpa_ms * 1e3, "sdpa_gb_s": kv_bytes / sdpa_ms / 1e6,

@@ -39,7 +39,35 @@ in log2 units (scale * log2 e folded into the scale) so exp2 replaces exp.
 
 Split-KV (``num_segments > 1``): segment s of a program covers an equal share of its key
 tiles and writes fp32 partials (running max, sum, unnormalised output) instead of the
-output; ``_reduce_segments_kernel`` merges them. ``num_kv_splits`` says when.
+output; ``_reduce_segments_kernel`` merges them (up to SPLIT_MAX_SEGMENTS segments in one
+program per query head). ``num_kv_splits`` says when.
+
+Small-batch decode (issue 18). Decode attention is a pure stream of the KV cache, so its
+speed is the share of copy bandwidth it reaches. An H200 measured (bf16, contexts >= 4k)
+11-30% at batch 1, 44-56% at 8, 56-59% at 32 and 83-91% from 64 under the earlier rule
+(>= 256 programs wanted, segments >= 512 keys, <= 16 of them, 32-key tiles): batch 1 x 8 KV
+heads at 4k ran 8 x 8 = 64 programs, so half the 132 SMs idled and the busy half each had
+one program, i.e. one 32-key load chain, in flight. Two changes, every number a constant
+below for the next GPU run to tune:
+
+* Split rule: a decode batch whose (sequence x KV head) programs are fewer than
+  SPLIT_PROGRAMS_PER_SM x the SM count (read once from the device; SM_COUNT_DEFAULT on the
+  CPU) is split into enough segments to reach that, at most SPLIT_MAX_SEGMENTS and none
+  shorter than SPLIT_MIN_SEGMENT_LEN keys. Two programs per SM keep a second load chain
+  per SM in flight while the first waits on memory; 128-key segments are one or two decode
+  tiles, long enough that a program's fixed cost (finding its sequence, loading q, writing
+  16 rows of fp32 partials: 8 KiB against the 64 KiB of K/V it streams at D = 128) stays
+  small. The partials cost batch x H x segments x D x 4 bytes twice (write, then the
+  reduction's read): at batch 1, 32 heads, 32 segments, D 128 that is 0.5 MiB against
+  16 MiB of K/V at 4k.
+* Decode tiles (``max_query_len == 1``): DECODE_TILE_N keys per step by the bytes of a key's
+  row (bf16/fp16: 128 keys up to D = 64, 64 up to D = 128, 32 beyond; fp32 one step
+  narrower), so a K plus V stage stays <= 32 KiB of shared memory and DECODE_NUM_STAGES
+  stages fit, against PREFILL_TILE_N = 32 for batches
+  with prompt rows, whose [BLOCK_M, TILE_N] score tiles are 4x taller. Keys and values are
+  both loaded as [TILE_N, D] tiles, contiguous along the head dim (one cache row of a KV
+  head is D adjacent elements), and K enters the dot transposed (``tl.trans``), so both
+  loads vectorise the same way.
 """
 from __future__ import annotations
 
@@ -47,22 +75,58 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_N = 32  # keys per inner-loop step
+# Tile shapes (see tile_shape): keys per inner-loop step, warps and software-pipeline stages.
+PREFILL_TILE_N = 32
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 3  # Triton's CUDA defaults: the shapes measured before issue 18
+# (largest bytes of one key's padded head-dim row, keys per step): a K + V stage of at most 32 KiB.
+DECODE_TILE_N = ((128, 128), (256, 64), (1 << 30, 32))
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
 # Split-KV rule (see num_kv_splits).
-SPLIT_MIN_PROGRAMS = 256  # about two waves of programs on a 132-SM H100
-SPLIT_MIN_SEGMENT_LEN = 512  # keys: shorter segments cost more in the second pass than they save
-SPLIT_MAX_SEGMENTS = 16
+SM_COUNT_DEFAULT = 132  # an H100 SXM: the CPU / interpreter value, so tests see one fixed rule
+SPLIT_PROGRAMS_PER_SM = 2  # programs wanted per SM before a decode batch is left unsplit
+SPLIT_MIN_SEGMENT_LEN = 128  # keys: shorter segments cost more in partials and launch than they save
+SPLIT_MAX_SEGMENTS = 64  # the reduction holds [segments, D] fp32 in one program
+
+_sm_count: int | None = None
 
 
-def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+def sm_count() -> int:
+    """Streaming multiprocessors of the current CUDA device, read once; SM_COUNT_DEFAULT
+    without CUDA (the interpreter), so the rule stays a pure function of host integers."""
+    global _sm_count
+    if _sm_count is None:
+        _sm_count = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                     if torch.cuda.is_available() else SM_COUNT_DEFAULT)
+    return _sm_count
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                  num_sms: int | None = None) -> int:
     """Segments per context: 1 (single pass) unless the batch is decode-only and its
-    (sequence x KV head) programs are too few to fill the GPU; then enough segments to
-    reach SPLIT_MIN_PROGRAMS programs, at most SPLIT_MAX_SEGMENTS and none shorter than
-    SPLIT_MIN_SEGMENT_LEN keys of the longest context. Host integers only."""
+    (sequence x KV head) programs are fewer than SPLIT_PROGRAMS_PER_SM x ``num_sms``
+    (default: this device's, see sm_count); then enough segments to reach that, at most
+    SPLIT_MAX_SEGMENTS and none shorter than SPLIT_MIN_SEGMENT_LEN keys of the longest
+    context. Host integers only (no device read past the SM count, fixed once), so a
+    CUDA graph captured for a batch size keeps its count."""
     programs = num_seqs * num_kv_heads
-    if max_query_len > 1 or programs >= SPLIT_MIN_PROGRAMS:
+    wanted = SPLIT_PROGRAMS_PER_SM * (num_sms or sm_count())
+    if max_query_len > 1 or programs >= wanted:
         return 1
-    return max(1, min(SPLIT_MAX_SEGMENTS, SPLIT_MIN_PROGRAMS // programs, max_seq_len // SPLIT_MIN_SEGMENT_LEN))
+    return max(1, min(SPLIT_MAX_SEGMENTS, -(-wanted // programs), max_seq_len // SPLIT_MIN_SEGMENT_LEN))
+
+
+def tile_shape(head_dim: int, max_query_len: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(TILE_N, num_warps, num_stages) for a launch: wide key tiles for decode-only batches
+    (their score tile has BLOCK_M = 16ish rows, so the width is all that sizes each load),
+    as wide as keeps a K + V stage within 32 KiB of shared memory for the cache's element size;
+    today's 32-key tiles when prompt rows can fill BLOCK_M = 64."""
+    if max_query_len > 1:
+        return PREFILL_TILE_N, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
+    row_bytes = triton.next_power_of_2(head_dim) * element_size
+    tile_n = next(n for limit, n in DECODE_TILE_N if row_bytes <= limit)
+    return tile_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
 
 
 @triton.jit
@@ -138,11 +202,12 @@ def _paged_attention_kernel(
         key_ok = (key < kv_end) & (key >= kv_start)  # masked keys load as 0: no slot outside the window read
         block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + key % BLOCK_SIZE  # int64: slot * stride overflows int32 in big caches
-        k = tl.load(kv_base + slot[None, :] * stride_c_slot + dim[:, None],
-                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [D, TILE_N]
-        v = tl.load(kv_base + stride_c_kv + slot[:, None] * stride_c_slot + dim[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, D]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        # K and V as [TILE_N, D]: each key's row is D adjacent elements, so both loads vectorise along D.
+        kv_row = kv_base + slot[:, None] * stride_c_slot + dim[None, :]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(kv_row, mask=kv_mask, other=0.0)
+        v = tl.load(kv_row + stride_c_kv, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP:  # c * tanh(x / c) of the natural-units score x, kept in log2 units (tanh via exp2: any x)
             s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(2.0 * s / softcap) + 1.0))
         visible = key[None, :] <= position[:, None]
@@ -230,7 +295,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     group = num_heads // num_kv_heads
     block_m, block_q = _block_shape(group, max_query_len)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    tile_n, num_warps, num_stages = tile_shape(head_dim, max_query_len, kv_cache.element_size())
     split = num_splits > 1
+    assert num_splits <= SPLIT_MAX_SEGMENTS, "the reduction is sized for SPLIT_MAX_SEGMENTS"
     if split:
         part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -246,9 +313,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_max.stride(0), part_max.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=TILE_N, BLOCK_SIZE=block_size, SPLIT=split, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        TILE_N=tile_n, BLOCK_SIZE=block_size, SPLIT=split, SLIDING=window > 0, SOFTCAP=softcap > 0,
         # fp32 models get fp32 products, not TF32 (10-bit mantissa) tensor-core ones.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _reduce_segments_kernel[(num_tokens, num_heads)](

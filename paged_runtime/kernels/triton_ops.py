@@ -83,6 +83,7 @@ silu_mul = torch.ops.paged_runtime.triton_silu_mul
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
-    """The split-KV rule of the attention kernel (host integers only)."""
+    """The split-KV rule of the attention kernel at this device's SM count (host integers only; the SM
+    count is read once, so a CUDA graph captured per batch size keeps its segment count)."""
     from paged_runtime.kernels.attention import num_kv_splits as rule
     return rule(num_seqs, num_kv_heads, max_query_len, max_seq_len)

@@ -155,19 +155,84 @@ def test_long_decodes_split_by_the_rule_and_match():
     """A decode-only batch of a few long contexts: the rule picks split-KV, and it matches."""
     query_lens, context_lens = [1, 1, 1], [1100, 600, 40]
     b = make_batch(7, query_lens, context_lens, 16, 4, 2, 64, torch.float32)
-    splits = attention.num_kv_splits(len(query_lens), 2, b.meta.max_query_len, b.meta.max_seq_len)
-    assert splits == 2  # min(16 segments, 256 // (3 seqs x 2 KV heads), 1100 // 512 keys)
+    splits = attention.num_kv_splits(len(query_lens), 2, b.meta.max_query_len, b.meta.max_seq_len, num_sms=132)
+    assert splits == 8  # min(64 segments, 264 programs / (3 seqs x 2 KV heads), 1100 // 128 keys)
     assert_matches_oracle(b, splits)
 
 
-def test_split_rule():
-    rule = attention.num_kv_splits
-    assert rule(num_seqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 16  # capped
-    assert rule(num_seqs=4, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 8  # 256 programs reached
-    assert rule(num_seqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=1500) == 2  # segments >= 512 keys
-    assert rule(num_seqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=1000) == 1  # too short to split
-    assert rule(num_seqs=32, num_kv_heads=8, max_query_len=1, max_seq_len=32768) == 1  # grid already full
-    assert rule(num_seqs=1, num_kv_heads=8, max_query_len=2, max_seq_len=32768) == 1  # not decode-only
+# (sequences, KV heads, max query len, longest context, SMs) -> segments.
+SPLIT_TABLE = [
+    ((1, 8, 1, 4096, 132), 32),  # 264 programs wanted: 33 segments, capped by 4096 // 128 keys
+    ((1, 8, 1, 32768, 132), 33),  # 33 x 8 = 264 programs
+    ((1, 1, 1, 32768, 132), 64),  # capped at SPLIT_MAX_SEGMENTS
+    ((8, 8, 1, 4096, 132), 5),  # ceil(264 / 64)
+    ((32, 8, 1, 4096, 132), 2),  # 256 programs: one short of two per SM
+    ((33, 8, 1, 4096, 132), 1),  # 264 programs: the grid is full
+    ((64, 8, 1, 32768, 132), 1),
+    ((1, 8, 1, 1500, 132), 11),  # segments >= 128 keys
+    ((1, 8, 1, 200, 132), 1),  # too short to split
+    ((1, 8, 2, 32768, 132), 1),  # not decode-only
+    ((4, 8, 1, 32768, 78), 5),  # another SM count: ceil(156 / 32)
+]
+
+
+@pytest.mark.parametrize("args, expected", SPLIT_TABLE, ids=lambda v: str(v))
+def test_split_rule(args, expected):
+    assert attention.num_kv_splits(*args) == expected
+
+
+def test_split_rule_bounds_and_graph_sizes():
+    """Never above SPLIT_MAX_SEGMENTS nor below 1, never more segments for a bigger batch, and the
+    count a CUDA graph is captured with (triton_ops' rule, max_model_len) is the kernel's own rule
+    at this device's SM count."""
+    from paged_runtime.kernels import triton_ops
+    from paged_runtime.worker.cuda_graphs import capture_sizes
+    for sms in (16, 78, 132, 144):
+        for context in (1, 127, 128, 1000, 4096, 131072):
+            for kv_heads in (1, 2, 8):
+                counts = [attention.num_kv_splits(s, kv_heads, 1, context, sms) for s in range(1, 300)]
+                assert all(1 <= c <= attention.SPLIT_MAX_SEGMENTS for c in counts)
+                assert counts == sorted(counts, reverse=True)
+    if INTERPRETED:
+        assert attention.sm_count() == attention.SM_COUNT_DEFAULT
+    for size in capture_sizes(256):
+        assert triton_ops.num_kv_splits(size, 8, 1, 32768) == \
+            attention.num_kv_splits(size, 8, 1, 32768, attention.sm_count())
+
+
+def test_tile_shapes():
+    """Decode-only launches get wide key tiles by head dim; prompt rows keep 32-key tiles."""
+    assert attention.tile_shape(64, 1)[0] == 128
+    assert attention.tile_shape(80, 1)[0] == attention.tile_shape(128, 1)[0] == 64  # 80 pads to 128
+    assert attention.tile_shape(256, 1)[0] == 32
+    assert attention.tile_shape(64, 1, element_size=4)[0] == 64  # fp32: a K + V stage stays <= 32 KiB
+    assert attention.tile_shape(128, 1, element_size=4)[0] == 32
+    assert attention.tile_shape(128, 2) == (attention.PREFILL_TILE_N, attention.PREFILL_NUM_WARPS,
+                                            attention.PREFILL_NUM_STAGES)
+
+
+# (context lengths, splits, head dim, query heads, KV heads, block size): decode-only batches of 1 and 3
+# sequences with many segments (fp16 for even counts, fp32 for odd). Decode tiles are 128 keys at D 64 and 64 at
+# D 80 / 128 in fp16, half that in fp32, so most segments of a few-hundred-key context are empty, and 700 keys
+# in fp32 D 64 (11 tiles of 64 -> 4, 4, 3 over 3 segments) or 600 keys in fp16 D 128 (10 tiles of 64 -> 3, 3,
+# 3, 1 over 4 segments) leave uneven last segments.
+MANY_SEGMENTS = [
+    ([300], 32, 64, 8, 1, 16),
+    ([450], 64, 128, 4, 1, 32),
+    ([300, 77, 513], 32, 80, 4, 2, 16),
+    ([200, 1, 390], 64, 64, 2, 2, 32),
+    ([700, 129, 256], 3, 64, 8, 2, 16),
+    ([600, 65], 4, 128, 2, 1, 32),
+]
+
+
+@pytest.mark.parametrize("context_lens, splits, head_dim, heads, kv_heads, block_size", MANY_SEGMENTS,
+                         ids=lambda v: str(v).replace(" ", ""))
+def test_decode_batches_with_many_segments(context_lens, splits, head_dim, heads, kv_heads, block_size):
+    dtype = torch.float32 if splits % 2 else torch.float16
+    b = make_batch(len(context_lens) + splits, [1] * len(context_lens), context_lens, block_size, heads, kv_heads,
+                   head_dim, dtype)
+    assert_matches_oracle(b, splits)
 
 
 def test_store_skips_padding_slots():
@@ -185,3 +250,13 @@ def test_store_skips_padding_slots():
     expected[slot_mapping[real]] = torch.stack((k[real], v[real]), dim=1)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
     assert cache.isnan().sum() == (32 - 5) * 2 * kv_heads * head_dim  # the 2 padding tokens wrote nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 at the benchmark's shape: GPU only")
+@pytest.mark.parametrize("batch, context", [(1, 4096), (3, 2000), (8, 4096)])
+def test_bf16_decode_at_the_benchmark_shape(batch, context):
+    """Llama-3-8B attention (32 / 8 heads, D 128, blocks of 16) split by the device's own rule."""
+    b = make_batch(batch, [1] * batch, [context] * batch, 16, 32, 8, 128, torch.bfloat16)
+    splits = attention.num_kv_splits(batch, 8, 1, context)
+    assert splits > 1
+    assert_matches_oracle(b, splits)
