@@ -164,6 +164,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., dim:]), dim=-1)
 
 
+def rope_in_place(rotate_, qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
+    """q, k, v of a fused qkv, q and k rotated in place by a kernel ``rotate_(qkv, num_heads, head_dim,
+    positions, cos, sin)``: q's heads and k's heads are adjacent in each row, so one pass rotates both. Partial
+    rotary (tables narrower than a head) takes ``TorchOps``' RoPE: the kernels rotate whole heads."""
+    positions, cos, sin = rope_inputs
+    if cos.shape[-1] != head_dim:
+        return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
+    q_size, kv_size, _ = sizes
+    qkv = qkv.contiguous()
+    rotate_(qkv, (q_size + kv_size) // head_dim, head_dim, positions, cos, sin)
+    return split_heads(qkv, sizes, head_dim)
+
+
 PACKED_MAX_ROWS = 192  # measured crossover with plain-weight GEMM: ~256 rows (SmolLM2's shapes)
 PACK_BATCH_HINT = 64
 
@@ -213,14 +226,7 @@ class CpuKernelOps(TorchOps):
 
     @staticmethod
     def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
-        positions, cos, sin = rope_inputs
-        if cos.shape[-1] != head_dim:  # partial rotary: the kernel rotates whole heads
-            return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
-        q_size, kv_size, _ = sizes
-        qkv = qkv.contiguous()
-        # q's heads and k's heads are adjacent in each row: one in-place pass rotates both.
-        cpu_kernels.cpu_rope_(qkv, (q_size + kv_size) // head_dim, head_dim, *rope_inputs)
-        return split_heads(qkv, sizes, head_dim)
+        return rope_in_place(cpu_kernels.cpu_rope_, qkv, sizes, head_dim, rope_inputs)
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -277,13 +283,7 @@ class TritonOps(TorchOps):
     @staticmethod
     def rope(qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int, rope_inputs):
         """As ``TorchOps.rope``, rotating qkv's q and k heads in place (one launch for both)."""
-        positions, cos, sin = rope_inputs
-        if cos.shape[-1] != head_dim:  # partial rotary: the kernel rotates whole heads
-            return TorchOps.rope(qkv, sizes, head_dim, TorchOps.rope_inputs(cos, sin, positions, qkv.dtype))
-        q_size, kv_size, _ = sizes
-        qkv = qkv.contiguous()
-        triton_ops.rope_(qkv, (q_size + kv_size) // head_dim, head_dim, positions, cos, sin)
-        return split_heads(qkv, sizes, head_dim)
+        return rope_in_place(triton_ops.rope_, qkv, sizes, head_dim, rope_inputs)
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
