@@ -193,17 +193,20 @@ class EngineCore:
         (beam search: its driver picks each beam's next token between steps)."""
         if self._step_thread is None or sync:
             return self._drain() + self._step_now()
-        out = self.scheduler.schedule()
-        failed = [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
+        out, failed = self._schedule()
         launched = None if out.empty else (out, self._step_thread.submit(self._run, out))
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             return failed
         return failed + self._complete(previous[0], previous[1].result, failed)
 
-    def _step_now(self) -> list[StepUpdate]:
+    def _schedule(self) -> tuple[SchedulerOutput, list[StepUpdate]]:
+        """The next step, and (token_id None) the requests the scheduler failed while making it."""
         out = self.scheduler.schedule()
-        failed = [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
+        return out, [StepUpdate(request, None, None, None) for request in self.scheduler.take_failed()]
+
+    def _step_now(self) -> list[StepUpdate]:
+        out, failed = self._schedule()
         if out.empty:
             return failed
         return failed + self._complete(out, lambda: self._run(out), failed)
