@@ -71,6 +71,12 @@ class EngineConfig:
     cpu_kernels: bool | None = field(default_factory=lambda: _env_flag(CPU_KERNELS_ENV))
     # torch | cpu | triton instead of the automatic choice ($PAGED_RUNTIME_ATTENTION_BACKEND).
     attention_backend: str | None = field(default_factory=lambda: os.environ.get(ATTENTION_BACKEND_ENV) or None)
+    # Devices per model: tensor-parallel ranks x pipeline stages, one worker process each (vLLM's flags).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "mp" (local processes) or "ray" (Ray actors, any node); None: in-process for one device, Ray inside a
+    # Ray cluster (a Serve replica), else local processes.
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_stop_strings", "max_stop_string_length"):
@@ -87,10 +93,32 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_parallel()
         if self.async_scheduling and self.speculative_config is not None:
             # A verifying step's accepted count decides where the next one starts: nothing can be scheduled
             # behind it, and drafts need the previous token on the host (as vLLM, for its n-gram and draft models).
             raise ValueError("async_scheduling does not combine with speculative decoding: turn one of them off")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.world_size == 1:
+            return
+        # Only the sampling rank knows a step's tokens until the scheduler's next step tells the others.
+        if self.async_scheduling:
+            raise ValueError("async_scheduling needs one device: turn it off with tensor or pipeline parallelism")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("a draft model needs one device: use speculative decoding with method ngram, or "
+                             "tensor_parallel_size = pipeline_parallel_size = 1")
 
     @classmethod
     def from_attributes(cls, source: Any, **overrides: Any) -> EngineConfig:

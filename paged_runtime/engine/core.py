@@ -25,23 +25,20 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-
-import torch
+from pathlib import Path
 
 from paged_runtime.config import EngineConfig, resolve_dtype
 from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
-from paged_runtime.models.loader import load_model, resolve_model_path
-from paged_runtime.attention import select_backend, uses_triton
-from paged_runtime.layers.ops import CpuKernelOps, select_ops
+from paged_runtime.executor import ExecutorDead, UniProcExecutor, check_parallel, make_executor
+from paged_runtime.models.loader import resolve_model_path
 from paged_runtime.spec_decode.config import SpeculativeConfig
-from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.request import Request, RequestStatus
-from paged_runtime.worker.kv_budget import free_memory, num_kv_blocks
-from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, TokenLogprobs, allocate_kv_caches
+from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, TokenLogprobs
+from paged_runtime.worker.worker import WorkerSpec
 from paged_runtime.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -113,32 +110,21 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        self.ops = select_ops(self.device, self.dtype, False if config.enforce_eager else config.cpu_kernels,
-                              config.cache_dir,
-                              triton=not config.enforce_eager and uses_triton(self.device, config.attention_backend))
-        model = load_model(model_path, self.max_model_len, self.dtype, self.device, self.ops)
         spec = config.speculative_config
-        draft = self._load_draft(spec, model_config) if spec and spec.method == "draft_model" else None
-        budget = config.kv_cache_memory or free_memory(self.device, config.gpu_memory_utilization)
-        window = kv_sliding_window(model_config, draft.config if draft else None)
+        draft_path, draft_config = self._draft(spec, model_config) if spec and spec.method == "draft_model" else (
+            None, None)
+        window = kv_sliding_window(model_config, draft_config)
         per_request = None if window is None else blocks_needed(self.max_model_len, config.block_size, window,
                                                                 self.max_num_batched_tokens)
-        self.num_blocks = num_kv_blocks([model_config] + ([draft.config] if draft else []), config.block_size,
-                                        self.dtype, budget, self.max_model_len, config.max_num_seqs, per_request)
+        check_parallel(config, model_config, self.device)
+        self.executor = make_executor(WorkerSpec(config, model_path, self.dtype, self.max_model_len, draft_path,
+                                                 per_request, spec.num_speculative_tokens if spec else 0))
+        info = self.executor.info
+        self.num_blocks, self.attention_backend = info.num_blocks, info.attention_backend
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
-                                   rope_switch=model.rope_switch)
-        num_slots = self.num_blocks * config.block_size
-        drafter = DraftModelProposer(draft, allocate_kv_caches(draft, num_slots, self.dtype, self.device)) if draft else None
-        graphs = None if config.enforce_eager or self.device.type != "cuda" else (config.max_num_seqs,
-                                                                                 self.max_model_len)
-        self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
-                                                config.attention_backend)
-        lookahead = spec.num_speculative_tokens if spec else 0
-        max_blocks = -(-(self.max_model_len + lookahead) // config.block_size)
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed,
-                                  self.attention_backend, max_blocks, drafter, graphs)
+                                   rope_switch=info.rope_switch)
         self.num_failed_steps_in_a_row = 0
         self._step_thread = ThreadPoolExecutor(1, "paged-runtime-step") if self._async_scheduling(spec) else None
         self._in_flight: tuple[SchedulerOutput, Future] | None = None  # the step launched, not yet applied
@@ -146,29 +132,56 @@ class EngineCore:
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
                     model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
-                    f"{self.ops.name} ops, {self.attention_backend} attention"
+                    f"{info.ops_name} ops, {self.attention_backend} attention"
+                    + (f", {config.tensor_parallel_size} x {config.pipeline_parallel_size} ranks (tensor x pipeline)"
+                       if config.world_size > 1 else "")
                     + (", asynchronous scheduling" if self._step_thread else ""))
 
     def _async_scheduling(self, spec: SpeculativeConfig | None) -> bool:
-        """The configured choice; by default on for CUDA (host work hides behind the device's) and off on the
-        CPU, where the forward pass and the host share the same cores, and with speculative decoding."""
+        """The configured choice; by default on for one CUDA device (host work hides behind the device's) and
+        off on the CPU, where the forward pass and the host share the same cores, with speculative decoding,
+        and with several ranks (the ranks that do not sample take each step's tokens from the scheduler)."""
         requested = self.config.async_scheduling
         if requested is None:
-            return self.device.type == "cuda" and spec is None
+            return self.device.type == "cuda" and spec is None and self.config.world_size == 1
         return requested
 
-    def _load_draft(self, spec: SpeculativeConfig, target: ModelConfig):
+    def _draft(self, spec: SpeculativeConfig, target: ModelConfig) -> tuple[Path, ModelConfig]:
         path = resolve_model_path(spec.model, self.config.cache_dir)
         draft_config = ModelConfig.from_folder(path)
         if draft_config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the "
                              f"target's ({target.vocab_size}); speculative decoding needs the same tokenizer")
-        return load_model(path, self.max_model_len, self.dtype, self.device, self.ops)
+        return path, draft_config
+
+    # ---- the in-process worker (one device): tests and benchmarks look at its model and runner ----------
+    @property
+    def runner(self) -> ModelRunner:
+        return self._local_worker().runner
+
+    @property
+    def ops(self):
+        return self._local_worker().ops
+
+    def _local_worker(self):
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError("the model runs in worker processes: there is no in-process runner")
+        return self.executor.worker
 
     def use_grammars(self, grammars: GrammarBackend) -> None:
         """Structured-output constraints compile with ``grammars`` (built once the tokenizer is loaded);
         until then a constrained request cannot be set up."""
-        self.runner.states.grammars = grammars
+        self.executor.use_grammars(grammars)
+
+    def check_health(self) -> None:
+        """Raises ``ExecutorDead`` once a worker is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (after the step in flight); idempotent."""
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+        self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -221,7 +234,7 @@ class EngineCore:
         if self._failed_step:
             raise StaleStep()
         try:
-            return self.runner.execute(out)
+            return self.executor.execute(out)
         except BaseException:
             self._failed_step = True
             raise
@@ -255,6 +268,8 @@ class EngineCore:
         if queued is not None:
             wait([queued[1]])  # it refuses to run (StaleStep): nothing of it reached the runner
             self.scheduler.unschedule(queued[0], resend=True)
+        if isinstance(error, ExecutorDead):
+            raise error  # a worker is gone: nothing can run
         if isinstance(error, RequestSetupError):  # only these requests: the others' items did not run
             self.scheduler.unschedule(out, resend=False)
             request_ids = error.request_ids
@@ -281,7 +296,7 @@ class EngineCore:
         groups = set(group_ids)
         failed = [rid for rid, r in self.scheduler.requests.items() if r.group_id in groups]
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        self.runner.retain(self.scheduler.requests)  # also rows of requests that finished normally
+        self.executor.retain(self.scheduler.requests)  # also rows of requests that finished normally
         self.check_invariants()
 
     def _wait_in_flight(self) -> None:
@@ -293,14 +308,12 @@ class EngineCore:
         """Blocks held exactly by the live requests' tables, free counts consistent, no finished request
         left in the scheduler or the runner, and (on CUDA) a device that still works."""
         self._wait_in_flight()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a sticky device error surfaces here
         scheduler = self.scheduler
         scheduler.check_invariants()
         live = scheduler.running + scheduler.waiting
         assert {r.request_id for r in live} == set(scheduler.requests), "the scheduler's queues and requests differ"
         assert not any(r.status.finished for r in live), "a finished request is still scheduled"
-        self.runner.check_invariants(scheduler.requests)
+        self.executor.check_invariants(scheduler.requests)  # and, on CUDA, that the devices still work
 
     def stats(self) -> CoreStats:
         """A snapshot, taken on demand (after a step, an add or an abort) rather than every step for nobody."""

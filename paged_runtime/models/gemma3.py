@@ -22,6 +22,7 @@ from paged_runtime.layers.linear import (SINGLE, MergedColumnParallelLinear, QKV
                                          TensorParallel, UnquantizedLinearMethod)
 from paged_runtime.layers.norm import GemmaRMSNorm
 from paged_runtime.layers.ops import TorchOps
+from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.layers.rotary import RotaryEmbedding
 from paged_runtime.layers.vocab import ParallelLMHead, ScaledEmbedding
 from paged_runtime.models.config import ModelConfig, gemma3_layer_types, gemma3_rope
@@ -92,32 +93,29 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     rope_switch = None  # no LongRoPE: each layer kind rotates every request by one table
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
-                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE) -> None:
+                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         nn.Module.__init__(self)
-        self.config, self.ops = config, ops or TorchOps()
+        self.config, self.ops, self.dtype = config, ops or TorchOps(), dtype
         method = UnquantizedLinearMethod(self.ops)
         # One rotary per layer kind; a module dict so that each layer's rotary is found by its kind.
         self.rotaries = nn.ModuleDict({
             kind: RotaryEmbedding(config.head_dim, max_len, base, scaling, self.ops, device)
             for kind, (base, scaling) in gemma3_rope(config.raw).items()})
         self.layer_kinds = gemma3_layer_types(config.raw)
-        self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, config.hidden_size ** 0.5, dtype,
-                                            device, tp)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, self.rotaries[kind], self.ops, method, dtype, device, tp, i)
-            for i, kind in enumerate(self.layer_kinds))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp)
-        self.lm_head.softcap = config.raw.get("final_logit_softcapping")
-        if config.tie_word_embeddings:
-            self.lm_head.tie(self.embed_tokens)
+        self.init_stage(stage, lambda: ScaledEmbedding(config.vocab_size, config.hidden_size,
+                                                       config.hidden_size ** 0.5, dtype, device, tp),
+                        lambda i: Gemma3DecoderLayer(config, self.rotaries[self.layer_kinds[i]], self.ops, method,
+                                                     dtype, device, tp, i),
+                        lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
+                        lambda: ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp))
+        if self.lm_head is not None:
+            self.lm_head.softcap = config.raw.get("final_logit_softcapping")
         self.fusable = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden])."""
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
+        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]); see Llama's for stages."""
+        x, residual = self.stage_input(input_ids)
         ropes = {kind: rotary.inputs(positions, x.dtype) for kind, rotary in self.rotaries.items()}
-        residual = None
-        for kind, layer in zip(self.layer_kinds, self.layers):
-            x, residual = layer(x, residual, ropes[kind], meta)
-        return self.norm(x, residual)[0]
+        for i in self.held:
+            x, residual = self.layers[i](x, residual, ropes[self.layer_kinds[i]], meta)
+        return self.stage_output(x, residual)

@@ -21,6 +21,7 @@ from paged_runtime.layers.linear import (SINGLE, MergedColumnParallelLinear, QKV
                                          TensorParallel, UnquantizedLinearMethod)
 from paged_runtime.layers.norm import RMSNorm
 from paged_runtime.layers.ops import TorchOps
+from paged_runtime.layers.pipeline import WHOLE, MissingLayer, PipelineStage
 from paged_runtime.layers.rotary import RotaryEmbedding
 from paged_runtime.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from paged_runtime.models.config import ModelConfig
@@ -104,35 +105,61 @@ class LlamaForCausalLM(nn.Module):
     one_op_layer = True
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
-                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE) -> None:
+                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
-        self.config, self.ops = config, ops or TorchOps()
+        self.config, self.ops, self.dtype = config, ops or TorchOps(), dtype
         method = UnquantizedLinearMethod(self.ops)
         self.rotary = RotaryEmbedding(config.head_dim, max_len, config.rope_theta, config.rope_scaling, self.ops,
                                       device)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(
-            self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp, i)
-            for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp)
-        if config.tie_word_embeddings:
-            self.lm_head.tie(self.embed_tokens)
-        # Only unquantized weights and a plain rotary (whole heads, one table) fit the one-op layer.
-        self.fusable = self.one_op_layer and self.rotary.one_table and type(method) is UnquantizedLinearMethod
+        self.init_stage(stage, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp),
+                        lambda i: self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp, i),
+                        lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
+                        lambda: ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp))
+        # Only unquantized weights, a plain rotary (whole heads, one table) and one rank (the op has no
+        # all-reduce) fit the one-op layer.
+        self.fusable = (self.one_op_layer and self.rotary.one_table and type(method) is UnquantizedLinearMethod
+                        and tp.size == 1)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def init_stage(self, stage: PipelineStage, embedding, decoder_layer, norm, lm_head) -> None:
+        """Build the modules pipeline stage ``stage`` holds (each argument makes one); the others are None
+        (``MissingLayer`` for decoder layers), so their checkpoint tensors are skipped at load."""
+        self.stage, self.held = stage, stage.layer_range(self.config.num_layers)
+        tied = self.config.tie_word_embeddings
+        self.embed_tokens = embedding() if stage.is_first or (stage.is_last and tied) else None
+        self.layers = nn.ModuleList(decoder_layer(i) if i in self.held else MissingLayer()
+                                    for i in range(self.config.num_layers))
+        self.norm = norm() if stage.is_last else None
+        self.lm_head = lm_head() if stage.is_last else None
+        if self.lm_head is not None and tied:
+            self.lm_head.tie(self.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
         """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]). ``positions`` pick the
-        rotary's rows (``rope_position_offset``); attention reads true positions from ``meta``."""
-        x = self.embed_tokens(input_ids)
+        rotary's rows (``rope_position_offset``); attention reads true positions from ``meta``. A pipeline
+        stage before the last sends its output on and returns None."""
+        x, residual = self.stage_input(input_ids)
+        layers = self.layers[self.held.start:self.held.stop]
         if self.fusable and self.ops.fused_decoder_layer(meta):
-            residual = torch.zeros_like(x)
-            for layer in self.layers:
+            residual = torch.zeros_like(x) if residual is None else residual
+            for layer in layers:
                 layer.forward_fused(x, residual, meta)
         else:
-            rope, residual = self.rotary.inputs(positions, x.dtype), None
-            for layer in self.layers:
+            rope = self.rotary.inputs(positions, x.dtype)
+            for layer in layers:
                 x, residual = layer(x, residual, rope, meta)
+        return self.stage_output(x, residual)
+
+    def stage_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, residual) entering this stage's first layer: the embeddings, or what the stage before sent."""
+        if self.stage.is_first:
+            return self.embed_tokens(input_ids), None
+        return self.stage.receive(len(input_ids), self.config.hidden_size, self.dtype, input_ids.device)
+
+    def stage_output(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states on the last stage; elsewhere (x, residual) go to the next stage."""
+        if not self.stage.is_last:
+            self.stage.send(x, residual)
+            return None
         return self.norm(x, residual)[0]
 
     @property

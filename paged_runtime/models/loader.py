@@ -20,7 +20,9 @@ from paged_runtime.models.olmoe import OlmoeForCausalLM
 from paged_runtime.models.phi3 import Phi3ForCausalLM
 from paged_runtime.models.qwen3 import Qwen3ForCausalLM
 from paged_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import TorchOps
+from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.utils.cpu import move_to_huge_pages
 
 # config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
@@ -59,13 +61,15 @@ def _converted_gguf(path: Path, cache: str | Path | None) -> Path:
 
 
 def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.device,
-               ops: TorchOps | None = None) -> LlamaForCausalLM:
-    """The model in ``folder`` with its weights; ``ops`` picks its arithmetic (default: plain PyTorch)."""
+               ops: TorchOps | None = None, tp: TensorParallel = SINGLE,
+               stage: PipelineStage = WHOLE) -> LlamaForCausalLM:
+    """The model in ``folder`` with its weights; ``ops`` picks its arithmetic (default: plain PyTorch); ``tp``
+    and ``stage`` the tensor-parallel shard and pipeline stage this rank holds (default: all of it)."""
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights")
-    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops)
+    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage)
     if device.type == "cpu":
         move_to_huge_pages(model)
     loaded = set()

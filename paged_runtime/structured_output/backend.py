@@ -61,6 +61,10 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._compiler = None
 
+    def __reduce__(self):
+        """A worker process gets a fresh backend for the same tokenizer (it compiles, and caches, on its own)."""
+        return GrammarBackend, (self.tokenizer, self.vocab_size, self.stop_token_ids)
+
     def compile(self, params: StructuredOutputsParams, param: str = "structured_outputs"):
         """The compiled constraint (cached); ``ParameterError`` naming ``param`` with the compiler's message."""
         key = constraint_key(params)

@@ -4,16 +4,18 @@ from __future__ import annotations
 import torch
 
 from paged_runtime.core.kv_cache_manager import cdiv
-from paged_runtime.models.config import ModelConfig
+from paged_runtime.layers.attention import attention_layers
 
 # On CPU the cache shares RAM with everything else, so take a modest share
 # (vLLM's CPU backend defaults to a fixed 4 GiB for the same reason).
 _CPU_SHARE, _CPU_CAP = 0.3, 4 * 2**30
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
-    return per_token * block_size
+def bytes_per_block(models: list[torch.nn.Module], block_size: int, dtype: torch.dtype) -> int:
+    """One block's bytes in every attention layer of ``models`` (a target and its draft share block ids):
+    the layers and KV heads this rank holds, not the whole model's."""
+    per_token = sum(2 * layer.num_kv_heads * layer.head_dim for model in models for layer in attention_layers(model))
+    return per_token * dtype.itemsize * block_size
 
 
 def free_memory(device: torch.device, utilization: float) -> int:
@@ -26,18 +28,16 @@ def free_memory(device: torch.device, utilization: float) -> int:
     return min(int(available * _CPU_SHARE), _CPU_CAP)
 
 
-def num_kv_blocks(config: ModelConfig | list[ModelConfig], block_size: int, dtype: torch.dtype, budget: int,
-                  max_model_len: int, max_num_seqs: int, blocks_per_request: int | None = None) -> int:
-    """Blocks that fit in ``budget``, capped at what ``max_num_seqs`` full-length requests can use.
-    Several configs (a target and its draft model) share block ids, so a block costs their sum.
+def num_kv_blocks(per_block: int, block_size: int, budget: int, max_model_len: int, max_num_seqs: int,
+                  blocks_per_request: int | None = None) -> int:
+    """Blocks of ``per_block`` bytes that fit in ``budget``, capped at what ``max_num_seqs`` full-length
+    requests can use.
     ``blocks_per_request``: the most blocks one request holds at once (default: max_model_len's; fewer
     where the KV manager releases blocks behind a sliding window).
 
     Raises ValueError when not even one request of ``max_model_len`` fits,
     naming the largest length that would.
     """
-    configs = config if isinstance(config, list) else [config]
-    per_block = sum(bytes_per_block(c, block_size, dtype) for c in configs)
     num_blocks = budget // per_block
     if blocks_per_request is not None:
         if num_blocks < blocks_per_request:

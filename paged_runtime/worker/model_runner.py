@@ -25,7 +25,7 @@ import torch
 from paged_runtime.attention import BUILDERS
 from paged_runtime.batch import BatchItem, StepItem, build_batch, layout_order
 from paged_runtime.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from paged_runtime.layers.attention import bind_kv_caches
+from paged_runtime.layers.attention import attention_layers, bind_kv_caches
 from paged_runtime.worker.sampling_metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, SamplerOutput, apply_token_bitmask
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
@@ -47,6 +47,14 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(slots=True)
+class ScoredRows:
+    """Hidden rows a step scores, by use: sampled rows, each verification's span, item -> prompt chunk rows."""
+    sample: np.ndarray
+    verify: list[np.ndarray]
+    prompt: dict[int, np.ndarray]
+
+
 class RequestSetupError(Exception):
     """Setting up these requests' state for a step failed (e.g. a seed out of range); nothing ran.
 
@@ -55,6 +63,9 @@ class RequestSetupError(Exception):
     def __init__(self, request_ids: list[str]) -> None:
         super().__init__(f"could not set up requests {request_ids}")
         self.request_ids = request_ids
+
+    def __reduce__(self):  # crosses from a worker process intact
+        return RequestSetupError, (self.request_ids,)
 
 
 @dataclass(slots=True)
@@ -82,9 +93,12 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  seed: int, attention_backend: str, max_blocks_per_request: int,
-                 drafter: DraftModelProposer | None = None, graphs: tuple[int, int] | None = None) -> None:
+                 drafter: DraftModelProposer | None = None, graphs: tuple[int, int] | None = None,
+                 samples: bool = True) -> None:
         """``graphs``: (max_num_seqs, max_model_len) to capture CUDA graphs for decode steps (Triton backend
-        on CUDA only; see ``cuda_graphs``); None runs every step eagerly."""
+        on CUDA only; see ``cuda_graphs``); None runs every step eagerly. ``samples``: False on a rank of a
+        parallel model that only computes its share of the forward pass (``execute`` returns None there:
+        one rank samples, and the others learn the tokens from the scheduler's next step)."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.attention_backend = attention_backend
@@ -92,7 +106,8 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory_mapped()
         self.kv_caches = allocate_kv_caches(model, num_blocks * block_size, dtype, device)
-        self.states = RequestStates(max_blocks_per_request, c.vocab_size, device)
+        self.samples = samples
+        self.states = RequestStates(max_blocks_per_request, c.vocab_size, device, samples=samples)
         self.grammar_masks = GrammarMaskFiller(c.vocab_size)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
@@ -103,7 +118,7 @@ class ModelRunner:
             self.graphs.capture_all()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
         for request_id in out.finished_req_ids:
             self.states.remove(request_id)
             if self.drafter is not None:
@@ -114,6 +129,11 @@ class ModelRunner:
         # Decodes, then verifications, then prompt chunks; shortest context first within each.
         order = layout_order(steps)
         items = [steps[i] for i in order]
+        if not self.samples:  # this rank's share of the forward pass (and of the LM-head product) only
+            hidden, ends = self._run(items)
+            if hidden is not None:  # None on a pipeline stage before the last
+                self._logits(hidden, self._scored_rows(items, ends))
+            return None
         spec_rows = {k: self._spec_row(s) for k, s in enumerate(items) if s.num_spec}
         if self.drafter is not None:
             self.drafter.propose(items, spec_rows, self.forward, self.sampler.generator)
@@ -124,25 +144,55 @@ class ModelRunner:
         filling = self.grammar_masks.start(requests, [(self.states[items[k].request_id], row.drafts)
                                                       for k, row in spec_rows.items()])
         hidden, ends = self._run(items)  # the masks fill meanwhile
+        scored = self._scored_rows(items, ends)
+        sample_logits, verify_logits, prompt_logits = self._logits(hidden, scored)
         masks = filling.result() if filling is not None else None
         result = RunnerOutput([[] for _ in items], [None] * len(items), [None] * len(items))
         if sampling:
             meta = build_sampling_metadata(requests, self.states)
             if masks is not None and masks.sample_rows:
                 meta.grammar_bitmask = (masks.sample_rows, masks.sample)
-            rows, = to_device(self.device, ends[sampling] - 1)
-            sampled = self.sampler(self.model.compute_logits(hidden[rows]), meta)
+            sampled = self.sampler(sample_logits, meta)
             self._store_samples(result, sampling, requests, sampled)
         if spec_rows:
-            self._verify(items, spec_rows, hidden, ends, result, masks)
+            self._verify(items, spec_rows, verify_logits, result, masks)
         for k, s in enumerate(items):
             state = self.states[s.request_id]
             state.write_tokens(s.start + s.num_new_tokens, result.token_ids[k])
-            if state.params.prompt_logprobs is not None and s.start < state.num_prompt_tokens - 1:
-                result.prompt_logprobs[k] = self._prompt_logprobs(s, state, hidden[ends[k] - s.num_scheduled:ends[k]])
+            if k in prompt_logits:
+                result.prompt_logprobs[k] = self._prompt_logprobs(s, state, prompt_logits[k])
         back = np.argsort(order)  # from the runner's order back to the scheduler's
         return RunnerOutput(*([field[k] for k in back]
                               for field in (result.token_ids, result.logprobs, result.prompt_logprobs)))
+
+    def _scored_rows(self, items: list[StepItem], ends: np.ndarray) -> ScoredRows:
+        """The hidden rows this step turns into logits: the last row of each sampling item, each
+        verification's span (its last token and its drafts), each prompt-logprobs chunk's rows (scoring prompt
+        tokens start + 1 .. the chunk's end or the prompt's last)."""
+        sample = np.array([ends[k] - 1 for k, s in enumerate(items) if s.samples and not s.num_spec], np.int64)
+        verify = [np.arange(ends[k] - s.num_spec - 1, ends[k]) for k, s in enumerate(items) if s.num_spec]
+        prompt = {}
+        for k, s in enumerate(items):
+            state = self.states[s.request_id]
+            if state.params.prompt_logprobs is not None and s.start < state.num_prompt_tokens - 1:
+                end = min(s.start + s.num_new_tokens, state.num_prompt_tokens - 1)
+                prompt[k] = np.arange(end - s.start) + ends[k] - s.num_scheduled
+        return ScoredRows(sample, verify, prompt)
+
+    def _logits(self, hidden: torch.Tensor, scored: ScoredRows):
+        """(sampled rows' logits, the verifications' logits, {item: its prompt chunk's logits}) from one
+        LM-head product, which on a tensor-parallel model every rank of the last stage joins (the head's
+        vocabulary shards are gathered)."""
+        parts = [scored.sample, *scored.verify, *scored.prompt.values()]
+        sizes = [len(p) for p in parts]
+        if not sum(sizes):
+            return None, None, {}
+        rows, = to_device(self.device, np.concatenate(parts))
+        logits = self.model.compute_logits(hidden[rows])
+        sample, rest = logits[:sizes[0]], logits[sizes[0]:]
+        num_verify = sum(sizes[1:1 + len(scored.verify)])
+        chunks = rest[num_verify:].split(sizes[1 + len(scored.verify):])
+        return sample, rest[:num_verify], dict(zip(scored.prompt, chunks))
 
     def forward(self, model, items: list[BatchItem]) -> torch.Tensor:
         """``model``'s hidden states for ``items`` (in ``layout_order``) over its bound caches."""
@@ -213,16 +263,14 @@ class ModelRunner:
         p = state.params
         return SpecRow(0, list(s.spec_token_ids), None, p.temperature, p.top_k, p.top_p, p.min_p, state.generator)
 
-    def _verify(self, items: list[StepItem], spec_rows: dict[int, SpecRow], hidden: torch.Tensor,
-                ends: np.ndarray, result: RunnerOutput, masks: GrammarMasks | None) -> None:
-        """Score each speculating request's last token and drafts; keep what the rejection sampler accepts.
-        A constrained request's positions are masked first, so a draft its grammar refuses is rejected."""
-        spans, first = [], 0
+    def _verify(self, items: list[StepItem], spec_rows: dict[int, SpecRow], logits: torch.Tensor,
+                result: RunnerOutput, masks: GrammarMasks | None) -> None:
+        """Score each speculating request's last token and drafts (``logits``: their spans, in order); keep
+        what the rejection sampler accepts. A constrained request's positions are masked first, so a draft its
+        grammar refuses is rejected."""
+        first = 0
         for k, row in spec_rows.items():
-            span = np.arange(ends[k] - items[k].num_spec - 1, ends[k])
-            spans.append(span)
-            row.first_row, first = first, first + len(span)
-        logits = self.model.compute_logits(hidden[torch.as_tensor(np.concatenate(spans), device=self.device)])
+            row.first_row, first = first, first + items[k].num_spec + 1
         if masks is not None and masks.spec_rows:
             logits = logits.float()
             apply_token_bitmask(logits, masks.spec_rows, masks.spec)
@@ -252,12 +300,10 @@ class ModelRunner:
                                                     top_ids[j][:num] if num else [], top_lps[j][:num] if num else [])]
 
     def _prompt_logprobs(self, s: StepItem, state: CachedRequest,
-                         hidden: torch.Tensor) -> tuple[int, list[TokenLogprobs]]:
-        """Score prompt tokens start+1 .. (chunk end or the prompt's last) from this chunk's rows."""
-        end = min(s.start + s.num_new_tokens, state.num_prompt_tokens - 1)
-        logprobs = self.model.compute_logits(hidden[:end - s.start]).log_softmax(dim=-1)
-        targets = state.token_ids[s.start + 1:end + 1]
-        return s.start, token_logprobs(logprobs, targets, state.params.prompt_logprobs)
+                         logits: torch.Tensor) -> tuple[int, list[TokenLogprobs]]:
+        """Score prompt tokens start+1 .. start+len(logits) from this chunk's logits."""
+        targets = state.token_ids[s.start + 1:s.start + 1 + len(logits)]
+        return s.start, token_logprobs(logits.log_softmax(dim=-1), targets, state.params.prompt_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give each (src, dst) pair's dst block the KV of src, in every layer."""
@@ -271,12 +317,12 @@ class ModelRunner:
 
 
 def allocate_kv_caches(model, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed ``[num_slots, 2, num_kv_heads, head_dim]`` cache per layer, bound to the model's attention
-    layers. Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention."""
-    c = model.config
-    shape = (num_slots, 2, c.num_kv_heads, c.head_dim)
-    zeros = (lambda: huge_page_zeros(shape, dtype)) if device.type == "cpu" else (
-        lambda: torch.zeros(shape, dtype=dtype, device=device))
-    kv_caches = [zeros() for _ in range(c.num_layers)]
+    """One zeroed ``[num_slots, 2, num_kv_heads, head_dim]`` cache per attention layer this rank holds (its
+    KV heads), bound to those layers. Zeroed, not empty: masked-out context slots are still multiplied by 0
+    in attention."""
+    def zeros(shape):
+        return huge_page_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype,
+                                                                                        device=device)
+    kv_caches = [zeros((num_slots, 2, layer.num_kv_heads, layer.head_dim)) for layer in attention_layers(model)]
     bind_kv_caches(model, kv_caches)
     return kv_caches

@@ -86,8 +86,10 @@ class CachedRequest:
 
 class RequestStates:
     def __init__(self, max_blocks_per_request: int, vocab_size: int, device: torch.device,
-                 grammars: GrammarBackend | None = None) -> None:
+                 grammars: GrammarBackend | None = None, samples: bool = True) -> None:
+        """``samples``: False on a rank that never samples, which skips the requests' output constraints."""
         self.requests: dict[str, CachedRequest] = {}
+        self.samples = samples
         self.grammars = grammars
         self.device, self.vocab_size = device, vocab_size
         self.free_rows: list[int] = []
@@ -126,7 +128,7 @@ class RequestStates:
     def _grammar(self, p: SamplingParams) -> RequestGrammar | None:
         """A fresh matcher for a constrained request (its history is fed at its first sampling step)."""
         constraint = p.structured_outputs
-        if constraint is None:
+        if constraint is None or not self.samples:
             return None
         if self.grammars is None:
             raise ValueError("structured_outputs needs a grammar backend; this runner has none")

@@ -111,7 +111,8 @@ FORBIDDEN = {
     "sample": ("models", "worker", "engine", "core", "entrypoints"),
     "spec_decode": ("core", "engine", "worker", "entrypoints"),
     "models": ("worker", "engine", "core", "entrypoints", "attention"),
-    "worker": ("engine", "entrypoints"),
+    "worker": ("engine", "entrypoints", "executor"),
+    "executor": ("engine", "entrypoints", "core"),
     "structured_output": ("models", "worker", "engine", "core", "entrypoints", "attention", "layers", "kernels",
                           "sample"),
 }

@@ -1,0 +1,69 @@
+"""How the engine reaches its workers: one call, every rank (or the driver alone), answers back.
+
+The scheduler runs once, in the engine's process. An executor sends each step's ``SchedulerOutput`` to every
+worker and returns the driver rank's ``RunnerOutput`` (the only rank that samples). ``UniProcExecutor`` holds
+the one worker of a single-device engine in the engine's own process; ``MultiprocExecutor`` runs one process
+per device on this machine and ``RayExecutor`` one Ray actor per device, on any node.
+
+``ExecutorDead``: a worker is gone (it exited, or stopped answering after a peer failed); the engine cannot
+go on and fails what it was serving. Any other exception from a call is the worker's own, as the runner
+raised it.
+"""
+from __future__ import annotations
+
+from paged_runtime.worker.worker import Placement, Worker, WorkerInfo, WorkerSpec, driver_rank
+
+
+class ExecutorDead(RuntimeError):
+    """A worker died or can no longer be trusted; every later call raises this too."""
+
+
+class Executor:
+    """Subclasses implement ``call``; the engine uses the named methods."""
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def start(self) -> WorkerInfo:
+        """Size every rank's KV cache alike (the smallest that fits everywhere); the driver's info."""
+        infos = self.call("load")
+        num_blocks = min(info.num_blocks for info in infos)
+        self.call("init_cache", num_blocks)
+        info = infos[driver_rank(self.tp_size, self.pp_size)]
+        self.info = WorkerInfo(num_blocks, info.rope_switch, info.ops_name, info.attention_backend)
+        return self.info
+
+    def call(self, method: str, *args, driver_only: bool = False) -> list:
+        """``Worker.method(*args)`` on every rank (or the driver alone); their results in rank order."""
+        raise NotImplementedError
+
+    def execute(self, out):
+        """The driver's ``RunnerOutput`` for one step, after every rank ran it."""
+        return self.call("execute", out)[driver_rank(self.tp_size, self.pp_size)]
+
+    def retain(self, request_ids) -> None:
+        self.call("retain", set(request_ids))
+
+    def check_invariants(self, request_ids) -> None:
+        self.call("check_invariants", set(request_ids))
+
+    def use_grammars(self, grammars) -> None:
+        self.call("use_grammars", grammars, driver_only=True)
+
+    def check_health(self) -> None:
+        """Raises ``ExecutorDead`` once a worker is gone."""
+
+    def shutdown(self) -> None:
+        """Stop the workers; idempotent."""
+
+
+class UniProcExecutor(Executor):
+    """The single device's worker, in this process: a call is a method call."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.worker = Worker(spec, Placement())
+
+    def call(self, method: str, *args, driver_only: bool = False) -> list:
+        return [getattr(self.worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        self.worker.close()
