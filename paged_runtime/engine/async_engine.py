@@ -261,6 +261,8 @@ class AsyncEngine:
                             exc_info=True)
             self._die(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
             return
+        finally:
+            self.engine.shutdown()  # the worker processes, if any, go with the loop
         self._die(EngineDeadError("the engine was shut down"))
 
     def _attach(self, engine: LLMEngine) -> None:
@@ -352,10 +354,12 @@ class AsyncEngine:
         self._check_alive()
         if not self._thread.is_alive():
             raise EngineDeadError("the engine's step loop is not running")
+        if not self.engine.workers_alive():  # noticed here even while idle; the next step fails for good
+            raise EngineDeadError("a worker process of the engine is gone")
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
+        return self.dead_error is None and self._thread.is_alive() and self.engine.workers_alive()
 
     def set_max_num_seqs(self, max_num_seqs: int) -> None:
         """Change the batch limit live (e.g. from a Ray Serve ``reconfigure``); safe from any thread.

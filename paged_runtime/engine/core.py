@@ -173,10 +173,6 @@ class EngineCore:
         until then a constrained request cannot be set up."""
         self.executor.use_grammars(grammars)
 
-    def check_health(self) -> None:
-        """Raises ``ExecutorDead`` once a worker is gone."""
-        self.executor.check_health()
-
     def shutdown(self) -> None:
         """Stop the workers (after the step in flight); idempotent."""
         if self._step_thread is not None:

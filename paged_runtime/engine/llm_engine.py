@@ -187,6 +187,14 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use keep their KV)."""
         self.core.reset_prefix_cache()
 
+    def workers_alive(self) -> bool:
+        """False once a worker process (or actor) is gone; safe from any thread (it only looks)."""
+        return self.core.executor.alive()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any; idempotent. The engine cannot step afterwards."""
+        self.core.shutdown()
+
     def beam_search(self, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
         """Beam search over token-id prompts (beams are forks inside the core); needs an idle engine."""
         if self.has_unfinished_requests():

@@ -177,7 +177,12 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
-                        help="only 1: scale out with replicas (KServe / Ray Serve)")
+                        help="split each layer over this many devices (one worker process each)")
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+                        help="split the layers into this many stages (one worker process per device each)")
+    engine.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                        help="how the workers run: local processes (mp, the default on one machine) or Ray "
+                             "actors (ray: any node; the default inside a Ray cluster)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="plain PyTorch: no CUDA graphs on a GPU, no compiled decode kernels on the CPU")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -191,8 +196,6 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
 def engine_config(args: argparse.Namespace):
     """EngineConfig from the parsed flags; ValueError for a combination the engine cannot run."""
     from paged_runtime.config import EngineConfig
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size must be 1: this runtime runs one device per replica")
     return EngineConfig.from_attributes(args, served_model_name=served_model_names(args)[0])
 
 

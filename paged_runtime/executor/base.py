@@ -50,7 +50,11 @@ class Executor:
         self.call("use_grammars", grammars, driver_only=True)
 
     def check_health(self) -> None:
-        """Raises ``ExecutorDead`` once a worker is gone."""
+        """Raises ``ExecutorDead`` once a worker is gone (and stops the others)."""
+
+    def alive(self) -> bool:
+        """Whether every worker still runs; only looks, so any thread may ask."""
+        return True
 
     def shutdown(self) -> None:
         """Stop the workers; idempotent."""

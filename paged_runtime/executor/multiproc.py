@@ -118,6 +118,9 @@ class MultiprocExecutor(Executor):
             if not proc.is_alive():
                 self._die(f"worker {rank} exited ({self._exit_reason(rank)})")
 
+    def alive(self) -> bool:
+        return self.dead is None and all(proc.exitcode is None for proc in self.procs)
+
     def shutdown(self) -> None:
         self._finalizer()
 

@@ -55,8 +55,8 @@ def test_refused_flags_exit_2_with_a_message(argv, message, capsys):
 
 def test_engine_flags_the_runtime_refuses_exit_2_before_serving(capsys):
     from kserve_adapter.server import main
-    assert main(["--model_name", "m", "--tensor-parallel-size", "2"]) == 2
-    assert "kserve_adapter: error: --tensor-parallel-size must be 1" in capsys.readouterr().err
+    assert main(["--model_name", "m", "--tensor-parallel-size", "2", "--async-scheduling"]) == 2
+    assert "kserve_adapter: error: async_scheduling needs one device" in capsys.readouterr().err
 
 
 def test_resolve_model_from_model_dir(tmp_path):
