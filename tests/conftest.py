@@ -69,3 +69,12 @@ def assert_idle(llm) -> None:
     assert not core.has_unfinished_requests()
     assert core.kv_cache.num_free_blocks == core.num_blocks
     core.scheduler.check_invariants()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a reaped child no longer does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -18,14 +18,16 @@ def bytes_per_block(models: list[torch.nn.Module], block_size: int, dtype: torch
     return per_token * dtype.itemsize * block_size
 
 
-def free_memory(device: torch.device, utilization: float) -> int:
+def free_memory(device: torch.device, utilization: float, num_ranks_here: int = 1) -> int:
+    """The KV cache's budget on one rank. On the CPU the ranks of a parallel model share one memory (and
+    the share below), so each takes its part of it."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Keep (1 - utilization) of the card for activations and everyone else.
         return max(0, int(free - (1 - utilization) * total))
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    return min(int(available * _CPU_SHARE), _CPU_CAP)
+    return min(int(available * _CPU_SHARE), _CPU_CAP) // num_ranks_here
 
 
 def num_kv_blocks(per_block: int, block_size: int, budget: int, max_model_len: int, max_num_seqs: int,

@@ -103,7 +103,7 @@ class Worker:
     def load(self) -> WorkerInfo:
         """How many KV blocks fit on this rank beside its weights, and what the engine needs of the model."""
         c = self.spec.config
-        budget = c.kv_cache_memory or free_memory(self.device, c.gpu_memory_utilization)
+        budget = c.kv_cache_memory or free_memory(self.device, c.gpu_memory_utilization, self.placement.world_size)
         models = [self.model] + ([self.draft] if self.draft is not None else [])
         num_blocks = num_kv_blocks(bytes_per_block(models, c.block_size, self.spec.dtype), c.block_size, budget,
                                    self.spec.max_model_len, c.max_num_seqs, self.spec.blocks_per_request)

@@ -7,14 +7,12 @@ rank, and a rank holds 1/tp of the KV heads of 1/pp of the layers), so the workl
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from paged_runtime import SamplingParams
 from paged_runtime.sampling_params import StructuredOutputsParams
 
-from conftest import assert_idle, make_llm
+from conftest import assert_idle, make_llm, process_alive
 
 NUM_BLOCKS = 24
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # K and V x 2 layers x 2 KV heads x head dim 16 x fp32 x 16 tokens
@@ -89,18 +87,10 @@ def test_parallel_outputs_equal_one_device(parallel_llm, reference):
 def test_shutdown_leaves_no_worker_process(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, **engine_kwargs(2, 1))
     pids = llm.engine.core.executor.worker_pids
-    assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    assert len(pids) == 2 and all(process_alive(pid) for pid in pids)
     llm.engine.shutdown()
     llm.engine.shutdown()  # idempotent
-    assert not any(alive(pid) for pid in pids)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert not any(process_alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -112,3 +102,17 @@ def alive(pid: int) -> bool:
 def test_sizes_the_model_cannot_take_are_refused_before_any_worker_starts(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_llama_dir, **kwargs)
+
+
+def test_ngram_speculation_with_tensor_parallelism_keeps_the_greedy_tokens(tiny_llama_dir):
+    prompts = [{"prompt_token_ids": [1, 5, 9, 100 + i, 7, 3] * (i + 3)} for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = make_llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert summary(got) == summary(want)
+        assert llm.engine.stats().spec.num_drafts > 0  # verification steps ran on both ranks
+    finally:
+        llm.engine.shutdown()

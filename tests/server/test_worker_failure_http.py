@@ -9,6 +9,8 @@ import signal
 
 import httpx
 
+from conftest import process_alive
+
 from .conftest import running_server, sse_events
 
 
@@ -38,12 +40,4 @@ def test_a_killed_worker_fails_requests_and_the_health_check(tiny_llama_dir):
         assert health.status_code == 503
         late = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=30)
         assert late.status_code == 503
-    assert not any(alive(pid) for pid in pids)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert not any(process_alive(pid) for pid in pids)
