@@ -51,7 +51,11 @@ class MultiprocExecutor(Executor):
             self.conns.append(ours)
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
-        self._gather(range(self.world_size))  # every worker built its share of the model
+        try:
+            self._gather(range(self.world_size))  # every worker built its share of the model
+        except BaseException:
+            self.shutdown()  # the others may wait for the failed one in the rendezvous
+            raise
 
     @property
     def worker_pids(self) -> list[int]:

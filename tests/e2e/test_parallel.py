@@ -7,6 +7,8 @@ rank, and a rank holds 1/tp of the KV heads of 1/pp of the layers), so the workl
 """
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from paged_runtime import SamplingParams
@@ -116,3 +118,15 @@ def test_ngram_speculation_with_tensor_parallelism_keeps_the_greedy_tokens(tiny_
         assert llm.engine.stats().spec.num_drafts > 0  # verification steps ran on both ranks
     finally:
         llm.engine.shutdown()
+
+
+def test_a_worker_that_cannot_start_fails_the_engine_and_stops_the_others(tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        (broken / f.name).symlink_to(f)
+    (broken / "model.safetensors").unlink()
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="corrupt safetensors file"):  # the worker's own error, as it raised it
+        make_llm(broken, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("paged-runtime-worker")]
