@@ -98,14 +98,24 @@ class RayExecutor(Executor):
             raise self.dead
 
     def check_health(self) -> None:
-        """Every actor answers a ping (on its own thread: a running step does not delay it)."""
+        """Raises ``ExecutorDead`` (and stops the other actors) once an actor is gone."""
         self.check_dead()
+        if not self._answer_pings():
+            self._die("an actor does not answer (dead)")
+
+    def alive(self) -> bool:
+        """Every actor answers a ping; only looks (the ping runs on the actor's own health thread, so a
+        running step does not delay it, and any thread may ask)."""
+        return self.dead is None and self._answer_pings()
+
+    def _answer_pings(self) -> bool:
         try:
             ray.get([actor.ping.remote() for actor in self.actors], timeout=HEALTH_TIMEOUT_S)
-        except DEAD as e:
-            self._die(str(e))
+        except DEAD:
+            return False
         except GetTimeoutError:  # alive but busy (say, the GIL held by a long step): not dead
             logger.warning("a worker actor did not answer a health check within %.0f s", HEALTH_TIMEOUT_S)
+        return True
 
     def shutdown(self) -> None:
         self._finalizer()

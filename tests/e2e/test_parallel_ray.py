@@ -7,6 +7,7 @@ One module-scoped Ray cluster and one TP=2 engine (the failure test runs last: i
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -69,6 +70,7 @@ def test_a_workers_error_comes_back_as_its_own_and_the_executor_goes_on(llm, ref
     with pytest.raises(AttributeError, match="no_such_method"):
         executor.call("no_such_method")
     executor.check_health()
+    assert executor.alive()
     assert run(llm) == reference
 
 
@@ -76,7 +78,12 @@ def test_a_dead_rank_stops_the_executor_and_nothing_is_left_behind(llm):
     from paged_runtime.executor import ExecutorDead
     executor = llm.engine.core.executor
     group = executor.group
-    ray.kill(executor.actors[1], no_restart=True)
+    ray.kill(executor.actors[1], no_restart=True)  # asynchronous: the kill lands a moment later
+    deadline = time.monotonic() + 30
+    while executor.alive():
+        assert time.monotonic() < deadline, "the killed actor still answers"
+    # alive() only looks: the other rank runs until check_health gives up on the executor
+    assert ray.get(executor.actors[0].ping.remote(), timeout=30)
     with pytest.raises(ExecutorDead):
         executor.check_health()
     with pytest.raises(ExecutorDead):  # and every call after it
