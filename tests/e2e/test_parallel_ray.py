@@ -1,13 +1,18 @@
 """Tensor parallelism over Ray actors (``distributed_executor_backend="ray"``) on a local Ray cluster, CPU,
 gloo: the same greedy tokens as one device; a worker's error comes back as its own; a dead actor stops the
-executor; shutdown leaves no actor and no placement group behind.
+executor; shutdown leaves no actor and no placement group behind; a Ray Serve replica with two ranks
+(``rayserve_adapter``) places them in its own placement group and answers as one device does.
 
-One module-scoped Ray cluster and one TP=2 engine (the failure test runs last: it kills a rank).
+One module-scoped Ray cluster and one TP=2 engine (the failure test kills one of its ranks: it runs after
+the others that use it).
 """
 from __future__ import annotations
 
 import os
+import socket
 import time
+
+import httpx
 
 import pytest
 
@@ -34,7 +39,7 @@ def run(llm) -> list:
 def cluster():
     saved = {key: os.environ.get(key) for key in RAY_ENV}
     os.environ.update(RAY_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
     try:
         yield
     finally:
@@ -47,8 +52,13 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    return run(make_llm(tiny_llama_dir, **ENGINE))
+def one_device(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(one_device):
+    return run(one_device)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +103,40 @@ def test_a_dead_rank_stops_the_executor_and_nothing_is_left_behind(llm):
             ray.get(actor.ping.remote(), timeout=30)
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
     executor.shutdown()  # idempotent
+
+
+def rank_actors_alive() -> int:
+    from ray._private.state import actors  # the state API proper needs the dashboard, off here
+    return sum(a["ActorClassName"] == "RankActor" and a["State"] == "ALIVE" for a in actors().values())
+
+
+def test_a_serve_replica_runs_its_ranks_in_its_own_placement_group(cluster, one_device, tiny_llama_dir):
+    from ray import serve
+
+    from rayserve_adapter import app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"model": str(tiny_llama_dir), "served_model_name": "tiny", "dtype": "float32", "device": "cpu",
+            "num_cpus": 0, "tensor_parallel_size": 2, "debug_checks": True, "shutdown_timeout": 1,
+            **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"}}
+    try:
+        serve.run(app(args), name="tp", route_prefix="/")
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        # Serve's group for the replica, one CPU bundle per rank; the executor made none of its own.
+        assert [(list(g["bundles"].values()), g["strategy"]) for g in groups] == [
+            ([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_PACK")]
+        assert rank_actors_alive() == 2
+        prompt = PROMPTS[1]
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200
+        want = one_device.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert response.json()["choices"][0]["text"] == want
+        serve.delete("tp")
+        deadline = time.monotonic() + 30  # the ranks die with the replica that owns them, a moment after it
+        while rank_actors_alive():
+            assert time.monotonic() < deadline, "rank actors outlived their replica"
+    finally:
+        serve.shutdown()
