@@ -47,19 +47,26 @@ class RayExecutor(Executor):
         self.world_size = self.tp_size * self.pp_size
         self.dead: ExecutorDead | None = None
         _init_ray()
-        self.group, owned = _placement_group(self.world_size, c.resolve_device().type == "cuda")
-        # A Serve replica holds no GPU (auto resolves to the CPU there); its bundles' GPUs are its ranks'.
-        cuda = c.resolve_device().type == "cuda" or (c.device == "auto" and "GPU" in self.group.bundle_specs[0])
-        bundles = self.group.bundle_specs
+        device = c.resolve_device()
+        self.group, owned = _placement_group(self.world_size, device.type == "cuda")
+        gpus = [bundle.get("GPU", 0) for bundle in self.group.bundle_specs[:self.world_size]]
+        # A Serve replica holds no GPU (where "auto" means the CPU): its bundles' GPUs are its ranks'.
+        cuda = device.type == "cuda" or (c.device == "auto" and all(gpus))
+        if cuda and not all(gpus):  # (only a group we were given: ours has a GPU per bundle on CUDA)
+            raise ValueError(f"CUDA ranks need a GPU in each of their bundles; the placement group has {gpus}")
         self.actors = [
-            RankActor.options(num_cpus=0, num_gpus=bundles[rank].get("GPU", 1) if cuda else 0,
+            RankActor.options(num_cpus=0, num_gpus=gpus[rank] if cuda else 0,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   placement_group=self.group, placement_group_bundle_index=rank)).remote()
             for rank in range(self.world_size)]
         self._finalizer = weakref.finalize(self, _stop, list(self.actors), self.group if owned else None)
-        init_method = self._gather([self.actors[0].rendezvous.remote()])[0]
-        self._gather([actor.build.remote(spec, Placement(rank, self.tp_size, self.pp_size, init_method))
-                      for rank, actor in enumerate(self.actors)])
+        try:
+            init_method = self._gather([self.actors[0].rendezvous.remote()])[0]
+            self._gather([actor.build.remote(spec, Placement(rank, self.tp_size, self.pp_size, init_method))
+                          for rank, actor in enumerate(self.actors)])
+        except BaseException:  # a rank failed to build: no actor or group outlives the failed start
+            self.shutdown()
+            raise
 
     def call(self, method: str, *args, driver_only: bool = False) -> list:
         self.check_dead()

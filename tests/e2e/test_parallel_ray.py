@@ -89,9 +89,7 @@ def test_a_dead_rank_stops_the_executor_and_nothing_is_left_behind(llm):
     executor = llm.engine.core.executor
     group = executor.group
     ray.kill(executor.actors[1], no_restart=True)  # asynchronous: the kill lands a moment later
-    deadline = time.monotonic() + 30
-    while executor.alive():
-        assert time.monotonic() < deadline, "the killed actor still answers"
+    eventually(lambda: not executor.alive(), "the killed actor still answers")
     # alive() only looks: the other rank runs until check_health gives up on the executor
     assert ray.get(executor.actors[0].ping.remote(), timeout=30)
     with pytest.raises(ExecutorDead):
@@ -101,13 +99,42 @@ def test_a_dead_rank_stops_the_executor_and_nothing_is_left_behind(llm):
     for actor in executor.actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ping.remote(), timeout=30)
-    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    eventually(lambda: ray.util.placement_group_table(group)["state"] == "REMOVED", "the group is removed")
     executor.shutdown()  # idempotent
+
+
+def test_a_rank_that_fails_to_build_raises_its_own_error_and_leaves_nothing(cluster, tiny_llama_dir, tmp_path):
+    import shutil
+
+    import torch
+
+    from paged_runtime.config import EngineConfig
+    from paged_runtime.executor.ray_executor import RayExecutor
+    from paged_runtime.worker.worker import WorkerSpec
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")  # no weights
+    before, groups_before = rank_actors_alive(), created_groups()
+    config = EngineConfig(device="cpu", tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="no \\*.safetensors weights") as failure:
+        RayExecutor(WorkerSpec(config, tmp_path, torch.float32, 64))
+    assert type(failure.value) is ValueError  # the worker's own, not Ray's wrapper
+    eventually(lambda: rank_actors_alive() == before, "the ranks of a failed start are killed")
+    eventually(lambda: created_groups() == groups_before, "the failed start's placement group is removed")
+
+
+def eventually(predicate, what: str) -> None:
+    """Ray kills actors and removes groups asynchronously: wait (30 s at most) for the state to show it."""
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, what
 
 
 def rank_actors_alive() -> int:
     from ray._private.state import actors  # the state API proper needs the dashboard, off here
     return sum(a["ActorClassName"] == "RankActor" and a["State"] == "ALIVE" for a in actors().values())
+
+
+def created_groups() -> dict:
+    return {key: g for key, g in ray.util.placement_group_table().items() if g["state"] == "CREATED"}
 
 
 def test_a_serve_replica_runs_its_ranks_in_its_own_placement_group(cluster, one_device, tiny_llama_dir):
@@ -121,13 +148,14 @@ def test_a_serve_replica_runs_its_ranks_in_its_own_placement_group(cluster, one_
     args = {"model": str(tiny_llama_dir), "served_model_name": "tiny", "dtype": "float32", "device": "cpu",
             "num_cpus": 0, "tensor_parallel_size": 2, "debug_checks": True, "shutdown_timeout": 1,
             **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"}}
+    ranks_before, groups_before = rank_actors_alive(), created_groups()
     try:
         serve.run(app(args), name="tp", route_prefix="/")
-        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        groups = [g for key, g in created_groups().items() if key not in groups_before]
         # Serve's group for the replica, one CPU bundle per rank; the executor made none of its own.
         assert [(list(g["bundles"].values()), g["strategy"]) for g in groups] == [
             ([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_PACK")]
-        assert rank_actors_alive() == 2
+        assert rank_actors_alive() == ranks_before + 2
         prompt = PROMPTS[1]
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
@@ -135,8 +163,6 @@ def test_a_serve_replica_runs_its_ranks_in_its_own_placement_group(cluster, one_
         want = one_device.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].text
         assert response.json()["choices"][0]["text"] == want
         serve.delete("tp")
-        deadline = time.monotonic() + 30  # the ranks die with the replica that owns them, a moment after it
-        while rank_actors_alive():
-            assert time.monotonic() < deadline, "rank actors outlived their replica"
+        eventually(lambda: rank_actors_alive() == ranks_before, "rank actors outlived their replica (their owner)")
     finally:
         serve.shutdown()
