@@ -71,7 +71,7 @@ def add_huggingfaceserver_arguments(parser: argparse.ArgumentParser) -> None:
     hf.add_argument("--max_model_len", "--max_length", dest="max_model_len", type=positive_int, default=None,
                     help="as --max-model-len")
     hf.add_argument("--tensor_parallel_size", dest="tensor_parallel_size", type=positive_int, default=1,
-                    help="as --tensor-parallel-size (only 1)")
+                    help="as --tensor-parallel-size")
     hf.add_argument("--task", default=None, help="only text_generation is served")
     hf.add_argument("--disable_log_requests", dest="disable_log_requests", action="store_true",
                     help="as --disable-log-requests (requests' contents are never logged)")

@@ -35,7 +35,8 @@ class AppArgs(BaseModel):
     enable_prefix_caching: bool = True
     seed: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)  # ranks per pipeline stage (one GPU each, one node)
+    pipeline_parallel_size: int = Field(default=1, ge=1)  # stages (they may span nodes)
     enforce_eager: bool = False  # plain PyTorch: no CUDA graphs, no compiled CPU decode kernels
     debug_checks: bool = False
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on for CUDA, off on the CPU
@@ -62,7 +63,10 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(default=1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # Ray's AutoscalingConfig fields; our policy by default
     num_cpus: float = Field(default=1.0, ge=0)  # per replica (its process; the step loop is one thread)
-    num_gpus: float = Field(default=0.0, ge=0)  # per replica; with tensor_parallel_size > 1, per worker
+    num_gpus: float = Field(default=0.0, ge=0)  # per replica; with several ranks, per rank (0: one each)
+    # How a replica's bundles (one per rank) are placed; None: STRICT_PACK (one node) with one pipeline
+    # stage, PACK (as few nodes as fit) with several. See builder.placement_options.
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     max_ongoing_requests: int | None = Field(default=None, ge=1)  # None: max_num_seqs
     max_queued_requests: int = -1  # per handle; beyond it, 429 with Retry-After. -1: unbounded
     retry_after_s: float = Field(default=1.0, ge=0)
@@ -89,10 +93,6 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> AppArgs:
-        if self.tensor_parallel_size > 1:
-            # The placement (one bundle per GPU) is ready in deployment_options; the runtime is not.
-            raise ValueError("tensor_parallel_size must be 1: this runtime runs one device per replica; "
-                             "scale out with num_replicas or autoscaling_config")
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("set either num_replicas or autoscaling_config, not both")
         self.chat_options()  # an unknown parser name or auto tool choice without a parser fails here, at build
@@ -108,6 +108,11 @@ class AppArgs(BaseModel):
         if self.model is not None:
             return [self.model]
         return ["SmolLM2-135M-Instruct"]  # paged_runtime's DEFAULT_MODEL_NAME, without importing torch
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per replica: one Ray actor (and device) each."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def replica_max_ongoing_requests(self) -> int:
@@ -132,7 +137,14 @@ class AppArgs(BaseModel):
     def engine_config(self):
         """The ``EngineConfig`` for one replica's engine (imports the runtime: call it on the replica)."""
         from paged_runtime.config import EngineConfig
-        return EngineConfig.from_attributes(self, served_model_name=self.served_model_names[0])
+        overrides: dict[str, Any] = {"served_model_name": self.served_model_names[0]}
+        if self.world_size > 1:
+            # The ranks are Ray actors in the replica's placement group. The replica holds no GPU itself, so
+            # "auto" would mean the CPU there (dtype, scheduling): the ranks' GPUs decide.
+            overrides["distributed_executor_backend"] = "ray"
+            if self.device == "auto":
+                overrides["device"] = "cuda"
+        return EngineConfig.from_attributes(self, **overrides)
 
 
 def parse_args(args: AppArgs | dict[str, Any] | None) -> AppArgs:

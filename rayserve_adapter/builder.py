@@ -15,8 +15,8 @@ Deployment options derived from the arguments:
 - ``graceful_shutdown_timeout_s`` = ``shutdown_timeout``: Serve stops routing to a stopping model
   replica, waits that long for its requests, then kills it; the ingress gets a margin more, so it
   can end the responses of a killed replica with an error (``deployment.py``);
-- ``ray_actor_options`` / placement-group bundles from ``num_cpus``,
-  ``num_gpus`` and ``tensor_parallel_size``.
+- ``ray_actor_options`` / placement-group bundles from ``num_cpus``, ``num_gpus``,
+  ``tensor_parallel_size``, ``pipeline_parallel_size`` and ``placement_strategy``.
 
 A Serve config's ``deployments:`` entries (by the names in ``deployment.py``)
 still override any of these.
@@ -53,7 +53,7 @@ def model_options(args: AppArgs) -> Dict[str, Any]:
         "max_queued_requests": args.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": args.retry_after_s},
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
-        **placement_options(args.num_cpus, args.num_gpus, args.tensor_parallel_size),
+        **placement_options(args),
     }
     if args.autoscaling_config is not None:
         options["autoscaling_config"] = {"policy": {"policy_function": POLICY_PATH}, **args.autoscaling_config}
@@ -76,23 +76,32 @@ def ingress_options(args: AppArgs) -> Dict[str, Any]:
             "graceful_shutdown_timeout_s": args.shutdown_timeout + SHUTDOWN_MARGIN_S}
 
 
-def placement_options(num_cpus: float, num_gpus: float, tensor_parallel_size: int) -> Dict[str, Any]:
-    """``ray_actor_options``, plus one placement-group bundle per GPU worker when a replica spans several GPUs.
+def placement_options(args: AppArgs) -> Dict[str, Any]:
+    """``ray_actor_options``, plus one placement-group bundle per rank when a replica has several ranks.
 
-    Serve places the replica actor in the first bundle (so it holds the replica's CPUs and the first
-    GPU); the other bundles are for the workers, packed onto one node (STRICT_PACK: tensor parallelism
-    wants NVLink, not the network).
+    Each rank is a Ray actor (``paged_runtime/executor/ray_executor.py``) that takes bundle ``rank`` of the
+    replica's placement group. Serve puts the replica actor itself in bundle 0, so bundle 0 holds the
+    replica's CPUs and rank 0's GPU: the replica (scheduler, tokenizer, HTTP) needs no GPU of its own, so
+    tensor x pipeline GPUs serve the replica, none idle, and the replica shares a node with stage 0.
+
+    Strategy: STRICT_PACK (one node: tensor parallelism's all-reduces want NVLink, not the network) with
+    one pipeline stage; PACK with several, so stages may span nodes when no node has every GPU. PACK
+    fills nodes in bundle order, so a stage's ranks (consecutive bundles) stay together on nodes whose GPU
+    count is a multiple of the tensor-parallel size. ``placement_strategy`` overrides either.
+    On the CPU (``device: cpu``, tests) a rank's bundle reserves one CPU instead of a GPU.
     """
-    actor: Dict[str, Any] = {"num_cpus": num_cpus}
-    if tensor_parallel_size == 1:
-        if num_gpus:
-            actor["num_gpus"] = num_gpus
+    actor: Dict[str, Any] = {"num_cpus": args.num_cpus}
+    if args.world_size == 1:
+        if args.num_gpus:
+            actor["num_gpus"] = args.num_gpus
         return {"ray_actor_options": actor}
-    gpus_per_worker = num_gpus or 1
-    first: Dict[str, float] = {"GPU": gpus_per_worker, **({"CPU": num_cpus} if num_cpus else {})}
-    bundles: List[Dict[str, float]] = [first] + [{"GPU": gpus_per_worker}] * (tensor_parallel_size - 1)
-    return {"ray_actor_options": {**actor, "num_gpus": gpus_per_worker}, "placement_group_bundles": bundles,
-            "placement_group_strategy": "STRICT_PACK"}
+    rank: Dict[str, float] = {"CPU": 1.0} if args.device == "cpu" else {"GPU": args.num_gpus or 1}
+    first = dict(rank)
+    if args.num_cpus:
+        first["CPU"] = first.get("CPU", 0) + args.num_cpus
+    bundles: List[Dict[str, float]] = [first] + [dict(rank) for _ in range(args.world_size - 1)]
+    strategy = args.placement_strategy or ("STRICT_PACK" if args.pipeline_parallel_size == 1 else "PACK")
+    return {"ray_actor_options": actor, "placement_group_bundles": bundles, "placement_group_strategy": strategy}
 
 
 __all__ = ["app", "model_options", "ingress_options", "placement_options", "ROUTER_PATH", "SHUTDOWN_MARGIN_S"]

@@ -112,7 +112,7 @@ def test_round_trip_catches_misspelt_fields_and_wrong_types():
 def test_the_kserve_manifests_are_a_runtime_and_three_services():
     assert [doc["metadata"]["name"] for doc in by_kind("ClusterServingRuntime")] == [RUNTIME]
     assert sorted(doc["metadata"]["name"] for doc in by_kind("InferenceService")) == [
-        "smollm2", "smollm2-1-7b", "smollm2-keda"]
+        "qwen3-8b-tp2", "smollm2", "smollm2-1-7b", "smollm2-keda"]
 
 
 def runtime_container() -> dict:
@@ -175,6 +175,20 @@ def test_gpu_service_loads_a_hugging_face_model_on_one_gpu():
     assert model["storageUri"].startswith("hf://")
     assert model["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert parse(runtime_container()["args"] + model["args"], "x").dtype == "bfloat16"
+
+
+def test_multi_gpu_service_gives_each_of_its_pods_gpus_one_rank():
+    """Tensor parallelism inside one pod: one worker process per GPU the pod asks for (the CLI's flags)."""
+    from paged_runtime.entrypoints.cli import engine_config
+    [isvc] = [d for d in by_kind("InferenceService") if d["metadata"]["name"] == "qwen3-8b-tp2"]
+    model = isvc["spec"]["predictor"]["model"]
+    assert "--tensor-parallel-size=2" in model["args"] and "--distributed-executor-backend=mp" in model["args"]
+    args = parse(runtime_container()["args"] + model["args"], "x")
+    config = engine_config(args)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.distributed_executor_backend) == (
+        2, 1, "mp")
+    resources = model["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == str(config.world_size)
 
 
 def test_keda_service_scales_on_queue_and_kv_cache():

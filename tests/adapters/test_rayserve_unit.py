@@ -76,9 +76,7 @@ def test_bad_args_name_the_field(bad, field):
         AppArgs.model_validate(bad)
 
 
-def test_args_refuse_tensor_parallelism_and_replicas_with_autoscaling():
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        AppArgs.model_validate({"tensor_parallel_size": 2})
+def test_args_refuse_replicas_with_autoscaling():
     with pytest.raises(ValueError, match="either num_replicas or autoscaling_config"):
         AppArgs.model_validate({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}})
 
@@ -121,16 +119,48 @@ def test_autoscaling_uses_the_engine_policy_unless_told_otherwise():
     assert ingress["max_ongoing_requests"] == 2 * 4 + 64
 
 
+def placement(**args) -> dict:
+    return placement_options(AppArgs.model_validate(args))
+
+
 def test_gpu_placement():
-    assert placement_options(1, 0, 1) == {"ray_actor_options": {"num_cpus": 1}}
-    assert placement_options(2, 1, 1) == {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1}}
-    # A replica spanning GPUs: the actor in the first bundle, one bundle per further worker, on one node.
-    assert placement_options(2, 1, 4) == {
-        "ray_actor_options": {"num_cpus": 2, "num_gpus": 1},
-        "placement_group_bundles": [{"GPU": 1, "CPU": 2}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
-        "placement_group_strategy": "STRICT_PACK"}
+    assert placement(num_cpus=1) == {"ray_actor_options": {"num_cpus": 1}}
+    assert placement(num_cpus=2, num_gpus=1) == {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1}}
     gpu = app({"num_gpus": 1})._bound_deployment
     assert gpu.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
+
+
+def test_parallel_replica_has_one_bundle_per_rank_on_one_node():
+    """Bundle i is rank i's; the replica sits in bundle 0 with its CPUs only (rank 0 takes that GPU)."""
+    assert placement(num_cpus=2, tensor_parallel_size=4) == {
+        "ray_actor_options": {"num_cpus": 2},
+        "placement_group_bundles": [{"GPU": 1, "CPU": 2}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
+        "placement_group_strategy": "STRICT_PACK"}
+    deployment = app({"tensor_parallel_size": 2, "num_cpus": 0})._bound_deployment
+    assert deployment.ray_actor_options == {"num_cpus": 0.0}  # no GPU: the replica's process only schedules
+    replica = deployment._replica_config
+    assert (replica.placement_group_bundles, replica.placement_group_strategy) == ([{"GPU": 1}, {"GPU": 1}],
+                                                                                   "STRICT_PACK")
+
+
+def test_pipeline_stages_may_span_nodes():
+    options = placement(num_cpus=1, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert options["placement_group_bundles"] == [{"GPU": 1, "CPU": 1}] + [{"GPU": 1}] * 3
+    assert options["placement_group_strategy"] == "PACK"
+    assert placement(tensor_parallel_size=2, pipeline_parallel_size=2,
+                     placement_strategy="STRICT_PACK")["placement_group_strategy"] == "STRICT_PACK"
+    assert placement(num_cpus=1, device="cpu", tensor_parallel_size=2)["placement_group_bundles"] == [
+        {"CPU": 2}, {"CPU": 1}]  # a CPU rank reserves a core
+
+
+def test_parallel_args_reach_the_engine_as_ray_ranks():
+    config = AppArgs.model_validate({"tensor_parallel_size": "2", "pipeline_parallel_size": "2"}).engine_config()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.distributed_executor_backend,
+            config.device) == (2, 2, "ray", "cuda")  # the replica holds no GPU: "auto" would mean its CPU
+    cpu = AppArgs.model_validate({"tensor_parallel_size": 2, "device": "cpu"}).engine_config()
+    assert (cpu.device, cpu.distributed_executor_backend) == ("cpu", "ray")
+    one = AppArgs.model_validate({}).engine_config()
+    assert (one.device, one.distributed_executor_backend) == ("auto", None)
 
 
 # ---- the autoscaling policy ---------------------------------------------------------------------------
