@@ -13,6 +13,8 @@ the oracle the kernels are tested against.
 """
 from __future__ import annotations
 
+import torch
+
 from paged_runtime.layers.linear import LinearMethod, UnquantizedLinearMethod
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.quantization.int4 import Int4LinearMethod
@@ -34,3 +36,9 @@ def linear_method(name: str | None, ops: TorchOps) -> LinearMethod:
     if name not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(NAMES)}; got {name!r}")
     return METHODS[name]()
+
+
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (storage shared by tied weights counted once)."""
+    tensors = {t.untyped_storage().data_ptr(): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
