@@ -39,6 +39,7 @@ def linear_method(name: str | None, ops: TorchOps) -> LinearMethod:
 
 
 def resident_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (storage shared by tied weights counted once)."""
-    tensors = {t.untyped_storage().data_ptr(): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+    """Bytes of a module's parameters and buffers (a tied weight counted once; the tensors' own bytes, not
+    the buffer they may share, e.g. the unquantized CPU model's one huge-page buffer)."""
+    tensors = {(t.data_ptr(), t.nbytes): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.nbytes for t in tensors.values())
