@@ -18,6 +18,8 @@ ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
 # keep the per-token match (one pattern over a tail window of the longest string) small.
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_STRING_LENGTH = 512
+# --quantization: weights quantized at load (layers/quantization.NAMES, repeated here to keep this module light)
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _env_flag(name: str) -> bool | None:
@@ -36,6 +38,9 @@ class EngineConfig:
     model: str | None = None  # a Hugging Face folder, a .gguf file, or None for the embedded default
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"
+    # Weight-only quantization at load, as vLLM's --quantization: "int8" (W8A16, per output channel), "int4"
+    # (W4A16, groups of 128, asymmetric); None / "none": the checkpoint's weights as they are.
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -92,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_parallel()
         if self.async_scheduling and self.speculative_config is not None:

@@ -18,8 +18,8 @@ from torch import nn
 
 from paged_runtime.layers.activation import GeluTanhAndMul
 from paged_runtime.layers.attention import Attention
-from paged_runtime.layers.linear import (SINGLE, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                         TensorParallel, UnquantizedLinearMethod)
+from paged_runtime.layers.linear import (SINGLE, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear,
+                                         RowParallelLinear, TensorParallel, UnquantizedLinearMethod)
 from paged_runtime.layers.norm import GemmaRMSNorm
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
@@ -93,10 +93,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     rope_switch = None  # no LongRoPE: each layer kind rotates every request by one table
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
-                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
+                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE,
+                 method: LinearMethod | None = None) -> None:
         nn.Module.__init__(self)
         self.config, self.ops, self.dtype = config, ops or TorchOps(), dtype
-        method = UnquantizedLinearMethod(self.ops)
+        method = method or UnquantizedLinearMethod(self.ops)  # the decoder layers'; the LM head stays plain
         # One rotary per layer kind; a module dict so that each layer's rotary is found by its kind.
         self.rotaries = nn.ModuleDict({
             kind: RotaryEmbedding(config.head_dim, max_len, base, scaling, self.ops, device)
@@ -107,7 +108,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                         lambda i: Gemma3DecoderLayer(config, self.rotaries[self.layer_kinds[i]], self.ops, method,
                                                      dtype, device, tp, i),
                         lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
-                        lambda: ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp))
+                        lambda: ParallelLMHead(config.vocab_size, config.hidden_size,
+                                               UnquantizedLinearMethod(self.ops), dtype, device, tp))
         if self.lm_head is not None:
             self.lm_head.softcap = config.raw.get("final_logit_softcapping")
         self.fusable = False

@@ -17,8 +17,8 @@ from torch import nn
 
 from paged_runtime.layers.activation import SiluAndMul
 from paged_runtime.layers.attention import Attention
-from paged_runtime.layers.linear import (SINGLE, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                         TensorParallel, UnquantizedLinearMethod)
+from paged_runtime.layers.linear import (SINGLE, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear,
+                                         RowParallelLinear, TensorParallel, UnquantizedLinearMethod)
 from paged_runtime.layers.norm import RMSNorm
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, MissingLayer, PipelineStage
@@ -105,16 +105,20 @@ class LlamaForCausalLM(nn.Module):
     one_op_layer = True
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
-                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
+                 ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE,
+                 method: LinearMethod | None = None) -> None:
+        """``method``: how the decoder layers' linear layers hold and multiply their weights (default: plain
+        weights; ``layers/quantization`` has the others). The LM head stays unquantized, as in vLLM."""
         super().__init__()
         self.config, self.ops, self.dtype = config, ops or TorchOps(), dtype
-        method = UnquantizedLinearMethod(self.ops)
+        method = method or UnquantizedLinearMethod(self.ops)
         self.rotary = RotaryEmbedding(config.head_dim, max_len, config.rope_theta, config.rope_scaling, self.ops,
                                       device)
         self.init_stage(stage, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp),
                         lambda i: self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp, i),
                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
-                        lambda: ParallelLMHead(config.vocab_size, config.hidden_size, method, dtype, device, tp))
+                        lambda: ParallelLMHead(config.vocab_size, config.hidden_size,
+                                               UnquantizedLinearMethod(self.ops), dtype, device, tp))
         # Only unquantized weights, a plain rotary (whole heads, one table) and one rank (the op has no
         # all-reduce) fit the one-op layer.
         self.fusable = (self.one_op_layer and self.rotary.one_table and type(method) is UnquantizedLinearMethod

@@ -7,6 +7,7 @@ None for the embedded default, SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
@@ -21,9 +22,13 @@ from paged_runtime.models.phi3 import Phi3ForCausalLM
 from paged_runtime.models.qwen3 import Qwen3ForCausalLM
 from paged_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from paged_runtime.layers.linear import SINGLE, TensorParallel
+from paged_runtime.layers.moe import FusedMoE
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
+from paged_runtime.layers.quantization import is_quantized, linear_method
 from paged_runtime.utils.cpu import move_to_huge_pages
+
+logger = logging.getLogger(__name__)
 
 # config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
@@ -62,15 +67,24 @@ def _converted_gguf(path: Path, cache: str | Path | None) -> Path:
 
 def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.device,
                ops: TorchOps | None = None, tp: TensorParallel = SINGLE,
-               stage: PipelineStage = WHOLE) -> LlamaForCausalLM:
+               stage: PipelineStage = WHOLE, quantization: str | None = None) -> LlamaForCausalLM:
     """The model in ``folder`` with its weights; ``ops`` picks its arithmetic (default: plain PyTorch); ``tp``
-    and ``stage`` the tensor-parallel shard and pipeline stage this rank holds (default: all of it)."""
+    and ``stage`` the tensor-parallel shard and pipeline stage this rank holds (default: all of it);
+    ``quantization`` ("int8", "int4"; None or "none": as the checkpoint) quantizes the decoder layers' linear
+    weights once loaded."""
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights")
-    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage)
-    if device.type == "cpu":
+    ops = ops or TorchOps()
+    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage,
+                                               method=linear_method(quantization, ops))
+    quantized = is_quantized(quantization)
+    if quantized and any(isinstance(m, FusedMoE) for m in model.modules()):
+        logger.info("--quantization %s: the MoE experts stay unquantized (%s)", quantization, config.architecture)
+    # One huge-page buffer holds every parameter: a quantized model frees its full-precision weights after
+    # loading, which that shared buffer would keep resident.
+    if device.type == "cpu" and not quantized:
         move_to_huge_pages(model)
     loaded = set()
     for file in files:
@@ -85,6 +99,8 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     if missing:
         raise ValueError(f"{folder} lacks weights for {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
     model.process_weights_after_loading()
+    if quantized and device.type == "cuda":
+        torch.cuda.empty_cache()  # the freed full-precision weights: the KV budget measures free device memory
     return model.eval()
 
 

@@ -93,7 +93,8 @@ class Worker:
         self.ops = select_ops(self.device, spec.dtype, False if config.enforce_eager else config.cpu_kernels,
                               config.cache_dir,
                               triton=not config.enforce_eager and uses_triton(self.device, config.attention_backend))
-        self.model = load_model(spec.model_path, spec.max_model_len, spec.dtype, self.device, self.ops, tp, stage)
+        self.model = load_model(spec.model_path, spec.max_model_len, spec.dtype, self.device, self.ops, tp, stage,
+                                config.quantization)
         self.draft = None if spec.draft_path is None else load_model(spec.draft_path, spec.max_model_len, spec.dtype,
                                                                      self.device, self.ops)
         self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
