@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_runtime.layers.linear import UnquantizedLinearMethod
 from paged_runtime.layers.moe import FusedMoE, SparseMoeBlock
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -51,17 +52,18 @@ class ExpertsConfig:
                    renormalize)
 
 
-def sparse_moe_block(c: ModelConfig, e: ExpertsConfig, ops, method, dtype, device, tp,
+def sparse_moe_block(c: ModelConfig, e: ExpertsConfig, ops, dtype, device, tp,
                      fp32_routing_weights: bool = False) -> SparseMoeBlock:
     experts = FusedMoE(e.num_experts, e.top_k, c.hidden_size, e.intermediate_size, e.renormalize, ops, dtype,
                        device, tp, fp32_routing_weights)
-    return SparseMoeBlock(experts, c.hidden_size, method, dtype, device)
+    # The router stays in the model dtype whatever the layers' method (as vLLM): routing is sensitive to it.
+    return SparseMoeBlock(experts, c.hidden_size, UnquantizedLinearMethod(ops), dtype, device)
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, c, ops, method, dtype, device, tp, layer_index) -> SparseMoeBlock:
         experts = ExpertsConfig.from_model_config(c, renormalize=True)
-        return sparse_moe_block(c, experts, ops, method, dtype, device, tp, fp32_routing_weights=True)
+        return sparse_moe_block(c, experts, ops, dtype, device, tp, fp32_routing_weights=True)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -37,7 +37,7 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
 
     def make_mlp(self, c, ops, method, dtype, device, tp, layer_index):
         experts = ExpertsConfig.from_model_config(c, renormalize=c.raw.get("norm_topk_prob", False))
-        return sparse_moe_block(c, experts, ops, method, dtype, device, tp)
+        return sparse_moe_block(c, experts, ops, dtype, device, tp)
 
 
 class OlmoeForCausalLM(MixtralForCausalLM):

@@ -24,7 +24,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         if not has_experts(c.raw, layer_index):
             return LlamaMLP(c, ops, method, dtype, device, tp)
         experts = ExpertsConfig.from_model_config(c, renormalize=c.raw.get("norm_topk_prob", False))
-        return sparse_moe_block(c, experts, ops, method, dtype, device, tp)
+        return sparse_moe_block(c, experts, ops, dtype, device, tp)
 
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):
