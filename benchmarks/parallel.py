@@ -250,22 +250,23 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="parallel-bench-") as tmp:
         folder = args.model or make_model(Path(tmp), dtype)
         model = ModelConfig.from_folder(folder)
-        engines = {}
+        engines, startup = {}, {}
         for layout in layouts:
             start = time.perf_counter()
             engines[layout.name] = LLM(model=str(folder), dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
                                        max_num_seqs=args.num_requests, kv_cache_memory=int(args.kv_cache_gib * 2**30),
                                        enable_prefix_caching=False, tensor_parallel_size=layout.tp,
                                        pipeline_parallel_size=layout.pp, distributed_executor_backend=layout.backend)
-            print(f"{layout.name}: engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            startup[layout.name] = time.perf_counter() - start
+            print(f"{layout.name}: engine up in {startup[layout.name]:.1f} s", flush=True)
         try:
-            return run(args, layouts, engines, model, folder, out)
+            return run(args, layouts, engines, startup, model, folder, out)
         finally:
             for llm in engines.values():
                 llm.engine.core.shutdown()
 
 
-def run(args, layouts: list[Layout], engines: dict, model, folder: Path, out: Path) -> int:
+def run(args, layouts: list[Layout], engines: dict, startup: dict, model, folder: Path, out: Path) -> int:
     recorders = {name: StepRecorder(llm.engine.core.executor) for name, llm in engines.items()}
     first = engines[layouts[0].name]
     vocab = first.engine.vocab_size
@@ -308,6 +309,7 @@ def run(args, layouts: list[Layout], engines: dict, model, folder: Path, out: Pa
               "threads_per_rank": {layout.name: (torch.get_num_threads() if layout.backend is None else
                                                  max(1, machine["cpu_count"] // (layout.tp * layout.pp)))
                                    for layout in layouts},
+              "startup_s": startup,  # spawning the workers, loading the shards, sizing the KV cache
               "comm_bytes": "payload handed to torch.distributed per step, all ranks together, from the model's "
                             "shape (benchmarks/comm_volume.py, checked by tests/unit/test_comm_volume.py)",
               "pipe_bytes": "measured: pickled execute call x ranks + the driver's pickled answer",
