@@ -39,6 +39,11 @@ What two ranks on this CPU mean
     without micro-batches run one after the other: pp2 leaves one core idle at any time. On a machine with
     one accelerator per rank the same script measures what the split buys.
 
+    Next to other work the picture turns over: the kernel shares the cores per thread, so four
+    single-threaded ranks get more of them than one process, and torch's two-thread pool in ``tp1`` stalls
+    whenever one of its threads is descheduled. ``others_busy_cores`` (sampled before each run, rows flagged
+    above 0.3) says whether a figure is of this kind.
+
 How to run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/parallel.py
     .venv/bin/python benchmarks/parallel.py --num-requests 4 --decode-tokens 8 --rounds 1 --layouts tp1,tp2   # smoke
