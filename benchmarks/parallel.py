@@ -4,6 +4,9 @@ What it measures
     One engine per layout, all alive in one process, measured in turn (the order rotates each round):
 
     * ``tp1``      one rank in the engine's process (the default for one device): the baseline;
+    * ``tp1-1t``   the same engine on one thread: what one core of the two does alone (each rank of
+      ``tp2`` computes on one thread; on shared cores a one-thread rank is also spared torch's thread pool
+      stalling when one of its threads is descheduled);
     * ``tp1-mp``   one rank in a worker process (``distributed_executor_backend="mp"``): what the pipes cost;
     * ``tp2``      tensor parallel over two worker processes (gloo);
     * ``pp2``      two pipeline stages (15 layers each);
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import shutil
 import statistics
@@ -80,9 +84,11 @@ class Layout:
     tp: int
     pp: int
     backend: str | None  # None: one rank in the engine's process
+    threads: int | None = None  # the in-process rank's torch threads (None: torch's default, all cores)
 
 
-LAYOUTS = {layout.name: layout for layout in (Layout("tp1", 1, 1, None), Layout("tp1-mp", 1, 1, "mp"),
+LAYOUTS = {layout.name: layout for layout in (Layout("tp1", 1, 1, None), Layout("tp1-1t", 1, 1, None, 1),
+                                               Layout("tp1-mp", 1, 1, "mp"),
                                                Layout("tp2", 2, 1, "mp"), Layout("pp2", 1, 2, "mp"),
                                                Layout("tp2xpp2", 2, 2, "mp"))}
 
@@ -142,6 +148,13 @@ def step_stats(steps, model, layout: Layout, dtype_bytes: int) -> dict:
             "pipe_bytes_per_step": pipes / n}
 
 
+def threads_per_rank(layout: Layout) -> int:
+    """A worker process takes its share of the cores (executor/multiproc.py); the in-process rank its own."""
+    if layout.backend is None:
+        return layout.threads or torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // (layout.tp * layout.pp))
+
+
 def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
     from paged_runtime import SamplingParams
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
@@ -153,13 +166,25 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int]) -> tupl
 def measure(llm, recorder: StepRecorder, layout: Layout, model, dtype_bytes: int, workload,
             decode_prompt: list[int], decode_tokens: int) -> dict:
     busy = others_busy_cores()
+    threads = torch.get_num_threads()
+    if layout.threads:
+        torch.set_num_threads(layout.threads)
+    try:
+        return _measure(llm, recorder, layout, model, dtype_bytes, workload, decode_prompt, decode_tokens) | {
+            "others_busy_cores": busy}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(llm, recorder: StepRecorder, layout: Layout, model, dtype_bytes: int, workload,
+             decode_prompt: list[int], decode_tokens: int) -> dict:
     recorder.take()
     seconds, tokens = timed_generate(llm, [r.prompt for r in workload], [r.output_len for r in workload])
     mixed = step_stats(recorder.take(), model, layout, dtype_bytes)
     decode_s, decode_out = timed_generate(llm, [decode_prompt], [decode_tokens])
     decode = step_stats(recorder.take()[1:], model, layout, dtype_bytes)  # the decode steps (not the prompt's)
     return {"tok_s": sum(map(len, tokens)) / seconds, "decode_ms_per_token": decode_s * 1e3 / decode_tokens,
-            "mixed": mixed, "decode": decode, "outputs": tokens + decode_out, "others_busy_cores": busy}
+            "mixed": mixed, "decode": decode, "outputs": tokens + decode_out}
 
 
 def summarize(layouts: list[Layout], rounds: dict[str, list[dict]]) -> dict:
@@ -191,12 +216,13 @@ def print_table(summary: dict) -> None:
     for name, s in summary.items():
         ranks = s["tensor_parallel_size"] * s["pipeline_parallel_size"]
         print(f"{name:>9} {ranks:>5} {s['tok_s']:>7.1f} {s['throughput_ratio']:>6.2f} "
-              f"{s['decode_ms_per_token']:>10.1f} {s['decode_speedup']:>6.2f} {s['mixed_step_ms']:>8.1f} {s['decode_step_ms']:>11.1f} "
-              f"{sum(s['mixed_comm_bytes_per_step'].values()) / 1e6:>12.2f} "
+              f"{s['decode_ms_per_token']:>10.1f} {s['decode_speedup']:>6.2f} {s['mixed_step_ms']:>8.1f} "
+              f"{s['decode_step_ms']:>11.1f} {sum(s['mixed_comm_bytes_per_step'].values()) / 1e6:>12.2f} "
               f"{sum(s['decode_comm_bytes_per_step'].values()) / 1e3:>16.1f} "
               f"{s['mixed_pipe_bytes_per_step'] / 1e3:>13.1f}")
-    print("ms/step: mean engine step (the executor's execute) of the mixed workload / of batch-1 decoding; coll: all-reduce + all-gather + send payload, all "
-          "ranks together (benchmarks/comm_volume.py); pipes: pickled calls and answers (measured)")
+    print("ms/step: mean engine step (the executor's execute) of the mixed workload / of batch-1 decoding; coll: "
+          "all-reduce + all-gather + send payload, all ranks together (benchmarks/comm_volume.py); "
+          "pipes: pickled calls and answers (measured)")
 
 
 def plot(summary: dict, path: Path, title: str) -> bool:
@@ -311,9 +337,7 @@ def run(args, layouts: list[Layout], engines: dict, startup: dict, model, folder
         for r in rs:
             del r["outputs"]
     result = {"machine": machine, "model": model_info, "args": {k: str(v) for k, v in vars(args).items()},
-              "threads_per_rank": {layout.name: (torch.get_num_threads() if layout.backend is None else
-                                                 max(1, machine["cpu_count"] // (layout.tp * layout.pp)))
-                                   for layout in layouts},
+              "threads_per_rank": {layout.name: threads_per_rank(layout) for layout in layouts},
               "startup_s": startup,  # spawning the workers, loading the shards, sizing the KV cache
               "comm_bytes": "payload handed to torch.distributed per step, all ranks together, from the model's "
                             "shape (benchmarks/comm_volume.py, checked by tests/unit/test_comm_volume.py)",
