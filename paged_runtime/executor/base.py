@@ -11,7 +11,11 @@ raised it.
 """
 from __future__ import annotations
 
+import logging
+
 from paged_runtime.worker.worker import Placement, Worker, WorkerInfo, WorkerSpec, driver_rank
+
+logger = logging.getLogger(__name__)
 
 
 class ExecutorDead(RuntimeError):
@@ -22,6 +26,8 @@ class Executor:
     """Subclasses implement ``call``; the engine uses the named methods."""
     tp_size: int = 1
     pp_size: int = 1
+    dead: ExecutorDead | None = None
+    workers = "workers"  # what the workers are, for messages ("worker processes", "worker actors")
 
     def start(self) -> WorkerInfo:
         """Size every rank's KV cache alike (the smallest that fits everywhere); the driver's info."""
@@ -51,6 +57,18 @@ class Executor:
 
     def check_health(self) -> None:
         """Raises ``ExecutorDead`` once a worker is gone (and stops the others)."""
+        self.check_dead()
+
+    def check_dead(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+
+    def _die(self, reason: str):
+        """Give up for good: every worker stopped, this and every later call raising ``ExecutorDead``."""
+        self.dead = ExecutorDead(f"one of the {self.workers} failed: {reason}; the engine cannot continue")
+        logger.error("%s", self.dead)
+        self.shutdown()
+        raise self.dead
 
     def alive(self) -> bool:
         """Whether every worker still runs; only looks, so any thread may ask."""

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from paged_runtime.executor.base import Executor, ExecutorDead
+from paged_runtime.executor.base import Executor
 from paged_runtime.worker.worker import Placement, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,12 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class MultiprocExecutor(Executor):
+    workers = "worker processes"
+
     def __init__(self, spec: WorkerSpec) -> None:
         c = spec.config
         self.tp_size, self.pp_size = c.tensor_parallel_size, c.pipeline_parallel_size
         self.world_size = self.tp_size * self.pp_size
-        self.dead: ExecutorDead | None = None
         context = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and CUDA state
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns: list[Connection] = []
@@ -109,15 +110,8 @@ class MultiprocExecutor(Executor):
         code = proc.exitcode
         return "still running" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit code {code}")
 
-    def _die(self, reason: str):
-        self.dead = ExecutorDead(f"a worker process failed: {reason}; the engine cannot continue")
-        logger.error("%s", self.dead)
-        self.shutdown()
-        raise self.dead
-
     def check_health(self) -> None:
-        if self.dead is not None:
-            raise self.dead
+        self.check_dead()
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
                 self._die(f"worker {rank} exited ({self._exit_reason(rank)})")

@@ -27,7 +27,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
     remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from paged_runtime.executor.base import Executor, ExecutorDead
+from paged_runtime.executor.base import Executor
 from paged_runtime.worker.worker import Placement, Worker, WorkerSpec, driver_rank
 
 logger = logging.getLogger(__name__)
@@ -41,11 +41,12 @@ DEAD = (RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectL
 
 
 class RayExecutor(Executor):
+    workers = "worker actors"
+
     def __init__(self, spec: WorkerSpec) -> None:
         c = spec.config
         self.tp_size, self.pp_size = c.tensor_parallel_size, c.pipeline_parallel_size
         self.world_size = self.tp_size * self.pp_size
-        self.dead: ExecutorDead | None = None
         _init_ray()
         device = c.resolve_device()
         self.group, owned = _placement_group(self.world_size, device.type == "cuda")
@@ -93,16 +94,6 @@ class RayExecutor(Executor):
         if failure is not None:
             raise failure
         return [values[ref] for ref in refs]
-
-    def _die(self, reason: str):
-        self.dead = ExecutorDead(f"a worker actor failed: {reason}; the engine cannot continue")
-        logger.error("%s", self.dead)
-        self.shutdown()
-        raise self.dead
-
-    def check_dead(self) -> None:
-        if self.dead is not None:
-            raise self.dead
 
     def check_health(self) -> None:
         """Raises ``ExecutorDead`` (and stops the other actors) once an actor is gone."""
