@@ -8,15 +8,12 @@ from paged_runtime.executor.base import Executor, ExecutorDead, UniProcExecutor
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.worker.worker import WorkerSpec
 
-BACKENDS = ("mp", "ray")
-
 
 def make_executor(spec: WorkerSpec) -> Executor:
     """One worker in-process for one device; else the configured backend, one worker per device."""
     c = spec.config
-    world = c.tensor_parallel_size * c.pipeline_parallel_size
     backend = c.distributed_executor_backend or ("ray" if _inside_ray() else "mp")
-    if world == 1 and c.distributed_executor_backend is None:
+    if c.world_size == 1 and c.distributed_executor_backend is None:
         executor = UniProcExecutor(spec)
     elif backend == "ray":
         from paged_runtime.executor.ray_executor import RayExecutor
@@ -67,4 +64,4 @@ def _inside_ray() -> bool:
     return ray.is_initialized()
 
 
-__all__ = ["BACKENDS", "Executor", "ExecutorDead", "UniProcExecutor", "check_parallel", "make_executor"]
+__all__ = ["Executor", "ExecutorDead", "UniProcExecutor", "check_parallel", "make_executor"]

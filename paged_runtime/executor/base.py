@@ -24,17 +24,20 @@ class ExecutorDead(RuntimeError):
 
 class Executor:
     """Subclasses implement ``call``; the engine uses the named methods."""
-    tp_size: int = 1
-    pp_size: int = 1
     dead: ExecutorDead | None = None
     workers = "workers"  # what the workers are, for messages ("worker processes", "worker actors")
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        c = spec.config
+        self.tp_size, self.pp_size, self.world_size = c.tensor_parallel_size, c.pipeline_parallel_size, c.world_size
+        self.driver = driver_rank(self.tp_size, self.pp_size)
 
     def start(self) -> WorkerInfo:
         """Size every rank's KV cache alike (the smallest that fits everywhere); the driver's info."""
         infos = self.call("load")
         num_blocks = min(info.num_blocks for info in infos)
         self.call("init_cache", num_blocks)
-        info = infos[driver_rank(self.tp_size, self.pp_size)]
+        info = infos[self.driver]
         self.info = WorkerInfo(num_blocks, info.rope_switch, info.ops_name, info.attention_backend)
         return self.info
 
@@ -44,7 +47,7 @@ class Executor:
 
     def execute(self, out):
         """The driver's ``RunnerOutput`` for one step, after every rank ran it."""
-        return self.call("execute", out)[driver_rank(self.tp_size, self.pp_size)]
+        return self.call("execute", out)[self.driver]
 
     def retain(self, request_ids) -> None:
         self.call("retain", set(request_ids))
@@ -82,6 +85,7 @@ class UniProcExecutor(Executor):
     """The single device's worker, in this process: a call is a method call."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
         self.worker = Worker(spec, Placement())
 
     def call(self, method: str, *args, driver_only: bool = False) -> list:

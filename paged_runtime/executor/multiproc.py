@@ -35,9 +35,7 @@ class MultiprocExecutor(Executor):
     workers = "worker processes"
 
     def __init__(self, spec: WorkerSpec) -> None:
-        c = spec.config
-        self.tp_size, self.pp_size = c.tensor_parallel_size, c.pipeline_parallel_size
-        self.world_size = self.tp_size * self.pp_size
+        super().__init__(spec)
         context = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and CUDA state
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns: list[Connection] = []
@@ -63,8 +61,8 @@ class MultiprocExecutor(Executor):
         return [proc.pid for proc in self.procs]
 
     def call(self, method: str, *args, driver_only: bool = False) -> list:
-        self.check_health()
-        ranks = [self._driver] if driver_only else list(range(self.world_size))
+        self.check_dead()  # a worker that died since is seen by its sentinel while answers are awaited
+        ranks = [self.driver] if driver_only else list(range(self.world_size))
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for rank in ranks:
@@ -72,10 +70,6 @@ class MultiprocExecutor(Executor):
         except OSError as e:  # a broken pipe: the worker is gone
             self._die(f"a worker cannot be reached: {e}")
         return self._gather(ranks)
-
-    @property
-    def _driver(self) -> int:
-        return (self.pp_size - 1) * self.tp_size
 
     def _gather(self, ranks) -> list:
         """Every rank's answer, in order; raises the first rank's error once all answered (or gave up)."""

@@ -28,7 +28,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paged_runtime.executor.base import Executor
-from paged_runtime.worker.worker import Placement, Worker, WorkerSpec, driver_rank
+from paged_runtime.worker.worker import Placement, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,8 @@ class RayExecutor(Executor):
     workers = "worker actors"
 
     def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
         c = spec.config
-        self.tp_size, self.pp_size = c.tensor_parallel_size, c.pipeline_parallel_size
-        self.world_size = self.tp_size * self.pp_size
         _init_ray()
         device = c.resolve_device()
         self.group, owned = _placement_group(self.world_size, device.type == "cuda")
@@ -71,7 +70,7 @@ class RayExecutor(Executor):
 
     def call(self, method: str, *args, driver_only: bool = False) -> list:
         self.check_dead()
-        ranks = [driver_rank(self.tp_size, self.pp_size)] if driver_only else range(self.world_size)
+        ranks = [self.driver] if driver_only else range(self.world_size)
         args = [ray.put(arg) if len(ranks) > 1 else arg for arg in args]  # serialized once for every rank
         return self._gather([self.actors[rank].call.remote(method, *args) for rank in ranks])
 
