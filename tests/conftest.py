@@ -23,6 +23,16 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_plain_dir(smollm2_dir, tmp_path_factory):
+    """The default model's dequantized weights as a plain checkpoint: its files without the GGUF blocks."""
+    folder = tmp_path_factory.mktemp("smollm2-plain")
+    for f in smollm2_dir.iterdir():
+        if f.is_file():
+            (folder / f.name).symlink_to(f)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir):
     """A 2-layer Llama with GQA, untied head and SmolLM2's tokenizer.
 

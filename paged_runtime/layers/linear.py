@@ -63,6 +63,14 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def vocab_method(self) -> LinearMethod | None:
+        """The method of the embedding and LM head when a model uses this one (None: plain weights)."""
+        return None
+
+    def tie(self, layer: nn.Module, embedding: nn.Module) -> None:
+        """Make the LM head ``layer`` multiply by ``embedding``'s weights (a model that ties them)."""
+        layer.weight = embedding.weight
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Plain weights in the model dtype, multiplied by the op set (which may keep a packed copy)."""

@@ -14,13 +14,23 @@ from paged_runtime.layers.linear import SINGLE, LinearMethod, TensorParallel, em
 
 
 class VocabParallelEmbedding(nn.Module):
+    """``method``: how the rows are held (None: a plain weight; a quantized method looks rows up itself)."""
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, method: LinearMethod | None = None) -> None:
         super().__init__()
-        self.vocab_size, self.tp = vocab_size, tp
+        self.vocab_size, self.tp, self.method = vocab_size, tp, method
         self.per_rank = -(-vocab_size // tp.size)
         self.first = tp.rank * self.per_rank
-        self.weight = empty_parameter(self.per_rank, hidden_size, dtype=dtype, device=device)
+        self.output_size, self.input_size = self.per_rank, hidden_size  # as a linear layer's W: [rows, hidden]
+        if method is None:
+            self.weight = empty_parameter(self.per_rank, hidden_size, dtype=dtype, device=device)
+        else:
+            method.create_weights(self, dtype, device)
+
+    def process_weights_after_loading(self) -> None:
+        if self.method is not None:
+            self.method.process_weights_after_loading(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded[self.first:self.first + self.per_rank]
@@ -31,6 +41,8 @@ class VocabParallelEmbedding(nn.Module):
         param[rows.shape[0]:].zero_()  # padding rows past the vocabulary
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.method is not None:
+            return self.method.embed(self, input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.first
@@ -44,15 +56,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, method: LinearMethod, dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(vocab_size, hidden_size, dtype, device, tp)
-        self.method, self.bias, self.packed_weight = method, None, None
+        super().__init__(vocab_size, hidden_size, dtype, device, tp, method)
+        self.bias = None
         self.softcap: float | None = None  # c: logits -> c * tanh(logits / c), in the model dtype (Gemma)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
-
-    def process_weights_after_loading(self) -> None:
-        self.method.process_weights_after_loading(self)
+        self.method.tie(self, embedding)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.method.apply(self, hidden, None)
@@ -71,8 +80,8 @@ class ScaledEmbedding(VocabParallelEmbedding):
     33.94 in fp32 but 34.0 in bfloat16)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
-        super().__init__(vocab_size, hidden_size, dtype, device, tp)
+                 tp: TensorParallel = SINGLE, method: LinearMethod | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, dtype, device, tp, method)
         self.register_buffer("scale", torch.tensor(scale).to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -97,19 +97,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                  method: LinearMethod | None = None) -> None:
         nn.Module.__init__(self)
         self.config, self.ops, self.dtype = config, ops or TorchOps(), dtype
-        method = method or UnquantizedLinearMethod(self.ops)  # the decoder layers'; the LM head stays plain
+        method = method or UnquantizedLinearMethod(self.ops)  # the decoder layers'; the vocabulary's below
+        vocab = method.vocab_method()
         # One rotary per layer kind; a module dict so that each layer's rotary is found by its kind.
         self.rotaries = nn.ModuleDict({
             kind: RotaryEmbedding(config.head_dim, max_len, base, scaling, self.ops, device)
             for kind, (base, scaling) in gemma3_rope(config.raw).items()})
         self.layer_kinds = gemma3_layer_types(config.raw)
         self.init_stage(stage, lambda: ScaledEmbedding(config.vocab_size, config.hidden_size,
-                                                       config.hidden_size ** 0.5, dtype, device, tp),
+                                                       config.hidden_size ** 0.5, dtype, device, tp, vocab),
                         lambda i: Gemma3DecoderLayer(config, self.rotaries[self.layer_kinds[i]], self.ops, method,
                                                      dtype, device, tp, i),
                         lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
                         lambda: ParallelLMHead(config.vocab_size, config.hidden_size,
-                                               UnquantizedLinearMethod(self.ops), dtype, device, tp))
+                                               vocab or UnquantizedLinearMethod(self.ops), dtype, device, tp))
         if self.lm_head is not None:
             self.lm_head.softcap = config.raw.get("final_logit_softcapping")
         self.fusable = False

@@ -21,6 +21,14 @@ Contract
   rotary layout), Gemma's RMSNorm weights lose the +1 llama.cpp folds in, and
   stacked ``ffn_*_exps`` tensors ``[E, ...]`` (or the older one-per-expert
   ``blk.{i}.ffn_gate.{e}``) are split per expert.
+* ``gguf/blocks.safetensors`` and ``gguf/types.json`` -- the file's quantized
+  tensors as they are, for serving them quantized (``layers/quantization/gguf``):
+  for each HF weight ``X.weight`` stored in a block type the runtime serves,
+  ``X.qweight`` (uint8 ``[rows, row_bytes]``, the rows' blocks, with the same
+  row reordering as above) and ``X.qweight_type`` (int64 ``[rows]``, each
+  row's GGMLQuantizationType id, so a fused matrix splits like its rows); ``types.json`` maps every quantized HF weight
+  name, served or not, to its type name (an unserved type is refused when the
+  model is served quantized, and dequantized with ``--quantization none``).
 * ``tokenizer.json``, ``tokenizer_config.json`` (with the GGUF chat template),
   ``chat_template.jinja``, ``special_tokens_map.json``,
   ``generation_config.json`` (Gemma 3 and Phi-3 list their end-of-turn token
@@ -59,7 +67,7 @@ import numpy as np
 __all__ = ["convert_gguf", "CONVERTER_VERSION", "SUPPORTED_GGUF_ARCHITECTURES"]
 
 # Bump when the output format changes so caches keyed on it get rebuilt.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: the gguf/ block tensors
 
 # GGUF block tensor part -> HF module path under ``model.layers.{i}``.
 _ATTENTION = {
@@ -140,10 +148,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tensors = _convert_tensors(reader, hp)
+        tensors, blocks, types = _convert_tensors(reader, hp)
         tied = "lm_head.weight" not in tensors
         _save_safetensors(tensors, tmp / "model.safetensors")
         del tensors  # ~4 bytes/parameter; free before the tokenizer step
+        (tmp / "gguf").mkdir()
+        _save_safetensors(blocks, tmp / "gguf" / "blocks.safetensors")
+        _write_json(tmp / "gguf" / "types.json", types)
         ids = _special_ids(reader)
         _write_json(tmp / "config.json", _build_config(hp, ids, tied))
         _write_json(tmp / "generation_config.json", _generation_config(ids, _end_of_turn_id(reader, hp["spec"])))
@@ -305,10 +316,14 @@ def _expected_names(hp: dict) -> set[str]:
     return names
 
 
-def _convert_tensors(reader, hp: dict) -> dict[str, np.ndarray]:
+def _convert_tensors(reader, hp: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor dequantized to float32; the quantized ones also as raw blocks (served types only) and
+    every quantized weight's type name."""
     from gguf.quants import dequantize
 
-    out = {}
+    from paged_runtime.layers.quantization.gguf_blocks import SERVED
+
+    out, blocks, types = {}, {}, {}
     for t in reader.tensors:
         if t.name in hp["spec"].config_tensors:
             continue
@@ -319,10 +334,20 @@ def _convert_tensors(reader, hp: dict) -> dict[str, np.ndarray]:
             raise ValueError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from exc
         for name, tensor in _hf_tensors(t.name, w, hp):
             out[name] = np.ascontiguousarray(tensor)
+        if t.tensor_type.name not in _PLAIN_TYPES:
+            for name, raw in _hf_tensors(t.name, np.asarray(t.data), hp):
+                types[name] = t.tensor_type.name
+                if t.tensor_type.name in SERVED:
+                    stem = name.removesuffix(".weight")
+                    blocks[f"{stem}.qweight"] = np.ascontiguousarray(raw)
+                    blocks[f"{stem}.qweight_type"] = np.full(len(raw), int(t.tensor_type), dtype=np.int64)
     missing = _expected_names(hp) - out.keys()
     if missing:
         raise ValueError(f"GGUF is missing tensors, e.g. {sorted(missing)[:3]}")
-    return out
+    return out, blocks, types
+
+
+_PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
@@ -573,7 +598,10 @@ def _make_readable(folder: Path) -> None:
     # the usual 755/644.
     folder.chmod(0o755)
     for f in folder.iterdir():
-        f.chmod(0o644)
+        if f.is_dir():
+            _make_readable(f)
+        else:
+            f.chmod(0o644)
 
 
 def _install(tmp: Path, out_dir: Path) -> None:

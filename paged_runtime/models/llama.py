@@ -108,17 +108,20 @@ class LlamaForCausalLM(nn.Module):
                  ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE,
                  method: LinearMethod | None = None) -> None:
         """``method``: how the decoder layers' linear layers hold and multiply their weights (default: plain
-        weights; ``layers/quantization`` has the others). The LM head stays unquantized, as in vLLM."""
+        weights; ``layers/quantization`` has the others). The embedding and LM head take its ``vocab_method``
+        (plain for the methods that quantize at load, as vLLM; a GGUF file's own blocks)."""
         super().__init__()
         self.config, self.ops, self.dtype = config, ops or TorchOps(), dtype
         method = method or UnquantizedLinearMethod(self.ops)
         self.rotary = RotaryEmbedding(config.head_dim, max_len, config.rope_theta, config.rope_scaling, self.ops,
                                       device)
-        self.init_stage(stage, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp),
+        vocab = method.vocab_method()
+        self.init_stage(stage, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp,
+                                                              vocab),
                         lambda i: self.decoder_layer_class(config, self.rotary, self.ops, method, dtype, device, tp, i),
                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
                         lambda: ParallelLMHead(config.vocab_size, config.hidden_size,
-                                               UnquantizedLinearMethod(self.ops), dtype, device, tp))
+                                               vocab or UnquantizedLinearMethod(self.ops), dtype, device, tp))
         # Only unquantized weights, a plain rotary (whole heads, one table) and one rank (the op has no
         # all-reduce) fit the one-op layer.
         self.fusable = (self.one_op_layer and self.rotary.one_table and type(method) is UnquantizedLinearMethod
@@ -206,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if not isinstance(param, nn.Parameter):
             return None
-        loader = getattr(module, "weight_loader", None)
+        # A parameter may bring its own loader (a quantized format's tensors are not the layer's plain shape).
+        loader = getattr(param, "weight_loader", None) or getattr(module, "weight_loader", None)
         if loader is None:
             if param.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "

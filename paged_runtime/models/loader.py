@@ -7,6 +7,7 @@ None for the embedded default, SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from paged_runtime.layers.moe import FusedMoE
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.layers.quantization import is_quantized, linear_method
+from paged_runtime.layers.quantization.gguf_blocks import SERVED
 from paged_runtime.utils.cpu import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -67,18 +69,19 @@ def _converted_gguf(path: Path, cache: str | Path | None) -> Path:
 
 def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.device,
                ops: TorchOps | None = None, tp: TensorParallel = SINGLE,
-               stage: PipelineStage = WHOLE, quantization: str | None = None) -> LlamaForCausalLM:
+               stage: PipelineStage = WHOLE, quantization: str | None = None, kernels=None) -> LlamaForCausalLM:
     """The model in ``folder`` with its weights; ``ops`` picks its arithmetic (default: plain PyTorch); ``tp``
     and ``stage`` the tensor-parallel shard and pipeline stage this rank holds (default: all of it);
-    ``quantization`` ("int8", "int4"; None or "none": as the checkpoint) quantizes the decoder layers' linear
-    weights once loaded."""
+    ``quantization`` as ``EngineConfig.quantization`` (``resolve_quantization``); ``kernels``: the compiled
+    CPU kernels module where it loaded (GGUF blocks are multiplied by it)."""
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights")
     ops = ops or TorchOps()
+    quantization = resolve_quantization(quantization, folder)
     model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage,
-                                               method=linear_method(quantization, ops))
+                                               method=linear_method(quantization, ops, kernels))
     quantized = is_quantized(quantization)
     if quantized and any(isinstance(m, FusedMoE) for m in model.modules()):
         logger.info("--quantization %s: the MoE experts stay unquantized (%s)", quantization, config.architecture)
@@ -87,10 +90,14 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     if device.type == "cpu" and not quantized:
         move_to_huge_pages(model)
     loaded = set()
+    # A GGUF's blocks first: the plain copies of the weights the model took as blocks are skipped below.
+    served = _load_gguf_blocks(model, folder, loaded) if quantization == "gguf" else set()
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    if name in served:
+                        continue
                     filled = model.load_weight(name, f.get_tensor(name))  # one name, or a list (stacked experts)
                     loaded.update(filled if isinstance(filled, list) else [filled])
         except SafetensorError as e:
@@ -102,6 +109,63 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     if quantized and device.type == "cuda":
         torch.cuda.empty_cache()  # the freed full-precision weights: the KV budget measures free device memory
     return model.eval()
+
+
+GGUF_TYPES = Path("gguf") / "types.json"  # beside a converted GGUF's weights (models/gguf_convert.py)
+
+
+def checkpoint_quantization(folder: Path) -> str | None:
+    """The format the checkpoint's weights are stored in: "gguf" for a converted .gguf, None for plain."""
+    return "gguf" if (folder / GGUF_TYPES).is_file() else None
+
+
+def resolve_quantization(requested: str | None, folder: Path) -> str | None:
+    """The method to load ``folder`` with: the checkpoint's own format unless "none" asks for plain weights;
+    a quantize-at-load method for a plain checkpoint. ValueError where the two contradict."""
+    own = checkpoint_quantization(folder)
+    if requested == "none":
+        if own is not None:
+            logger.info("--quantization none: the %s checkpoint's weights are dequantized at load", own)
+        return None
+    if own is None:
+        if requested in ("gguf",):
+            raise ValueError(f"--quantization {requested} needs a checkpoint in that format; {folder} holds plain "
+                             f"weights (quantize them at load with int8 or int4)")
+        return requested
+    if requested not in (None, own):
+        raise ValueError(f"{folder} is already quantized ({own}); --quantization {requested} contradicts it: "
+                         f"pass {own} (or nothing) to serve its own weights, or none to dequantize them")
+    _check_gguf_types(folder)
+    return own
+
+
+def _check_gguf_types(folder: Path) -> None:
+    types = json.loads((folder / GGUF_TYPES).read_text())
+    unserved = {name: t for name, t in types.items() if t not in SERVED}
+    if unserved:
+        name, qtype = next(iter(unserved.items()))
+        raise ValueError(f"GGUF tensor {name} is stored as {qtype}, which is not served quantized "
+                         f"({len(unserved)} such tensors); served types: {', '.join(SERVED)}. Pass --quantization "
+                         f"none to dequantize the file at load")
+
+
+def _load_gguf_blocks(model, folder: Path, loaded: set) -> set[str]:
+    """Load the GGUF block tensors the model takes as blocks; the names of their plain copies to skip (a
+    module that takes only plain weights, e.g. MoE experts, gets the dequantized copy, with a log line)."""
+    served, plain = set(), []
+    with safe_open(str(folder / "gguf" / "blocks.safetensors"), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            filled = model.load_weight(name, f.get_tensor(name))
+            stem = name.removesuffix("_type").removesuffix(".qweight")
+            if filled is None:
+                plain.append(stem)
+                continue
+            loaded.add(filled)
+            served.add(f"{stem}.weight")
+    if plain:
+        logger.info("%d GGUF weights are dequantized at load (modules without a GGUF path, e.g. %s)",
+                    len(set(plain)), plain[0])
+    return served
 
 
 def load_tokenizer(folder: Path):

@@ -24,7 +24,8 @@ from paged_runtime.config import EngineConfig
 from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
-from paged_runtime.models.loader import load_model
+from paged_runtime.kernels import cpu as cpu_kernels
+from paged_runtime.models.loader import checkpoint_quantization, load_model
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.worker.kv_budget import bytes_per_block, free_memory, num_kv_blocks
 from paged_runtime.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -94,12 +95,24 @@ class Worker:
                               config.cache_dir,
                               triton=not config.enforce_eager and uses_triton(self.device, config.attention_backend))
         self.model = load_model(spec.model_path, spec.max_model_len, spec.dtype, self.device, self.ops, tp, stage,
-                                config.quantization)
+                                config.quantization, self._gguf_kernels(spec.model_path))
         self.draft = None if spec.draft_path is None else load_model(spec.draft_path, spec.max_model_len, spec.dtype,
                                                                      self.device, self.ops)
         self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
                                                 config.attention_backend)
         self.runner: ModelRunner | None = None
+
+    def _gguf_kernels(self, path: Path):
+        """The compiled CPU kernels for a GGUF served as blocks (they multiply blocks on any x86 CPU, AVX-512
+        or not), unless compiled kernels are switched off; None elsewhere."""
+        config = self.spec.config
+        if (self.device.type != "cpu" or config.quantization == "none" or checkpoint_quantization(path) != "gguf"
+                or config.cpu_kernels is False or config.enforce_eager):
+            return None
+        if cpu_kernels.load(str(config.cache_dir)) and hasattr(cpu_kernels, "cpu_gguf_linear"):
+            return cpu_kernels
+        logger.warning("GGUF blocks are multiplied by dequantizing them in PyTorch (the CPU kernels did not load)")
+        return None
 
     def load(self) -> WorkerInfo:
         """How many KV blocks fit on this rank beside its weights, and what the engine needs of the model."""

@@ -1,6 +1,7 @@
-"""--quantization int8 / int4 end to end: perplexity of the embedded SmolLM2 against bfloat16 on the text in
-tests/data (the real figures are printed), greedy agreement, smaller resident weights, bad names refused,
-and the tiny random Llama quantized on one rank and on two tensor-parallel ranks."""
+"""--quantization int8 / int4 end to end, and the GGUF's own Q4_1 blocks: perplexity of the embedded SmolLM2
+against bfloat16 (its dequantized weights) on the text in tests/data (the real figures are printed), greedy
+agreement, smaller resident weights, bad names refused, and the tiny random Llama quantized on one rank and
+on two tensor-parallel ranks."""
 from __future__ import annotations
 
 import shutil
@@ -13,16 +14,18 @@ from paged_runtime.layers.quantization import resident_bytes
 from paged_runtime.utils.perplexity import perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "lighthouse_keepers.txt"
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "gguf")
 SCORED_TOKENS, WINDOW = 1024, 512  # the first half of the text keeps the three engines' scoring short
 PROMPTS = ["The capital of France is", "A lighthouse keeper's work began", "def fibonacci(n):",
            "Three things every sailor knows:"]
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_dir):
-    engines = {mode: LLM(str(smollm2_dir), dtype="bfloat16", quantization=mode, max_model_len=1024,
-                         kv_cache_memory=64 << 20, seed=0) for mode in MODES}
+def engines(smollm2_dir, smollm2_plain_dir):
+    """int8 / int4 quantize the plain (dequantized) checkpoint at load; gguf serves the file's blocks."""
+    engines = {mode: LLM(str(smollm2_dir if mode == "gguf" else smollm2_plain_dir), dtype="bfloat16",
+                         quantization=mode, max_model_len=1024, kv_cache_memory=64 << 20, seed=0)
+               for mode in MODES}
     yield engines
     for llm in engines.values():
         llm.engine.core.shutdown()
@@ -45,6 +48,12 @@ def test_int8_perplexity_is_within_1_percent_of_bfloat16(perplexities):
                                        "of 32 columns, which groups of 128 cannot follow (measured +80%)")
 def test_int4_perplexity_is_within_10_percent_of_bfloat16(perplexities):
     assert perplexities["int4"] <= 1.10 * perplexities["none"], perplexities
+
+
+def test_gguf_q4_1_perplexity_is_within_10_percent_of_bfloat16(perplexities):
+    """The same weights, multiplied from their blocks (activations rounded to 8 bits per block of 32 by the
+    CPU kernels, as llama.cpp does)."""
+    assert perplexities["gguf"] <= 1.10 * perplexities["none"], perplexities
 
 
 def test_int4_perplexity_stays_bounded(perplexities):
@@ -70,19 +79,25 @@ def test_quantized_models_hold_fewer_weight_bytes(engines):
     assert layers["int8"] <= 0.51 * layers["none"] and layers["int4"] <= 0.30 * layers["none"], layers
     assert sizes["int4"] < sizes["int8"] < sizes["none"]  # embeddings and LM head stay bfloat16
     assert not any(name.endswith("proj.weight") for name, _ in models["int8"].named_parameters())
+    # Q4_1: 20 bytes per 32 weights (0.3125x bfloat16); the file's Q8_0 embedding (34 per 32) is the LM head too.
+    assert layers["gguf"] <= 0.3125 * layers["none"] + 4096, layers
+    assert sizes["gguf"] <= 0.37 * sizes["none"], sizes
+    assert not any(name.endswith(".weight") and "norm" not in name for name, _ in models["gguf"].named_parameters())
 
 
-def test_a_bad_quantization_name_is_refused_with_the_choices(capsys):
+def test_a_bad_quantization_name_is_refused_with_the_choices(capsys, smollm2_dir, tiny_llama_dir):
     from paged_runtime.config import EngineConfig
     from paged_runtime.entrypoints.cli import build_parser
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4; got 'fp4'"):
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, .*got 'fp4'"):
         EngineConfig(quantization="fp4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "fp4"])
     err = capsys.readouterr().err
     assert "invalid choice: 'fp4'" in err and all(f"'{name}'" in err for name in ("none", "int8", "int4")), err
-    with pytest.raises(ValueError, match="quantization must be one of"):
-        LLM(quantization="gguf")
+    with pytest.raises(ValueError, match="already quantized \\(gguf\\); --quantization int8 contradicts it"):
+        LLM(str(smollm2_dir), quantization="int8")
+    with pytest.raises(ValueError, match="--quantization gguf needs a checkpoint in that format"):
+        LLM(str(tiny_llama_dir), quantization="gguf")
 
 
 def fake_quantized(folder: Path, out: Path, quantization: str) -> Path:

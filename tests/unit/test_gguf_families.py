@@ -390,7 +390,7 @@ def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch)
     llm = make_llm(path, max_model_len=160, max_num_batched_tokens=24, max_num_seqs=4,
                    kv_cache_memory=10 * block_bytes, block_size=16)
     assert type(llm.engine.core.runner.model).__name__ == type(model).__name__
-    (converted,) = (tmp_path / "cache").iterdir()
+    (converted,) = (d for d in (tmp_path / "cache").iterdir() if (d / "config.json").exists())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     rng = np.random.default_rng(3)
     shared = rng.integers(3, VOCAB, 40).tolist()

@@ -1,4 +1,7 @@
-"""Weight-only quantization at load (``--quantization int8 | int4``): a ``LinearMethod`` per format.
+"""Quantized weights: a ``LinearMethod`` per format. ``int8`` / ``int4`` quantize at load; ``gguf`` serves a
+GGUF file's own blocks (``gguf.py``; the checkpoint decides it, see ``models/loader``).
+
+Quantizing at load (``--quantization int8 | int4``):
 
 Each method registers a full-precision ``weight`` like the unquantized one, so the layers' sharded
 ``weight_loader``s place checkpoint tensors unchanged (tensor parallelism included: each rank quantizes its
@@ -17,25 +20,29 @@ import torch
 
 from paged_runtime.layers.linear import LinearMethod, UnquantizedLinearMethod
 from paged_runtime.layers.ops import TorchOps
+from paged_runtime.layers.quantization.gguf import GGUFLinearMethod
 from paged_runtime.layers.quantization.int4 import Int4LinearMethod
 from paged_runtime.layers.quantization.int8 import Int8LinearMethod
 
-METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod}
+METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod, "gguf": GGUFLinearMethod}
 # What ``EngineConfig.quantization`` accepts besides None (config.QUANTIZATIONS repeats it without imports).
 NAMES = ("none", *METHODS)
+# Formats a checkpoint brings (the others quantize at load).
+CHECKPOINT_FORMATS = ("gguf",)
 
 
 def is_quantized(name: str | None) -> bool:
     return name not in (None, "none")
 
 
-def linear_method(name: str | None, ops: TorchOps) -> LinearMethod:
-    """The method for ``--quantization name`` (None or "none": plain weights multiplied by ``ops``)."""
+def linear_method(name: str | None, ops: TorchOps, kernels=None) -> LinearMethod:
+    """The method for ``--quantization name`` (None or "none": plain weights multiplied by ``ops``);
+    ``kernels``: the compiled CPU kernels module where it loaded (the GGUF method multiplies with it)."""
     if not is_quantized(name):
         return UnquantizedLinearMethod(ops)
     if name not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(NAMES)}; got {name!r}")
-    return METHODS[name]()
+    return GGUFLinearMethod(kernels) if name == "gguf" else METHODS[name]()
 
 
 def resident_bytes(module: torch.nn.Module) -> int:

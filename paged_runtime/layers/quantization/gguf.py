@@ -1,0 +1,117 @@
+"""GGUF weights served in their block formats (``gguf_blocks``): a ``LinearMethod`` for linear layers, the
+embedding and the LM head.
+
+A layer's checkpoint tensors are ``qweight`` (uint8 ``[rows, row_bytes]``, the file's blocks) and
+``qweight_type`` (int64 ``[rows]``: each row's GGMLQuantizationType id), one pair per part of a fused matrix (q / k / v,
+gate / up). Parts arrive in any order; ``process_weights_after_loading`` joins them into segments: one
+segment when every part has the same type (one kernel call), else one per run of equal types (Q4_K_M files
+hold attn_v in Q6_K beside q and k in Q4_K), whose outputs are concatenated.
+
+Multiplying: on the CPU, the compiled kernels (``kernels.cpu`` ``cpu_gguf_linear``) read the blocks directly
+for up to their row bound, and larger batches dequantize each segment once per call (C) and run one GEMM;
+without the kernels (no compiler; CUDA) the torch definition dequantizes, then ``F.linear``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_runtime.layers.linear import LinearMethod
+from paged_runtime.layers.quantization.gguf_blocks import GgufType, dequantize, served_type
+
+logger = logging.getLogger(__name__)
+
+
+class GGUFLinearMethod(LinearMethod):
+    """``kernels``: the compiled CPU ops (``paged_runtime.kernels.cpu``) when they loaded, else None."""
+
+    def __init__(self, kernels=None) -> None:
+        self.kernels = kernels
+
+    def vocab_method(self) -> LinearMethod:
+        return self  # the embedding and LM head keep their blocks too
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        if layer.tp.size > 1:
+            raise ValueError("GGUF block weights are served on one tensor-parallel rank; pass --quantization "
+                             "none to dequantize them for tensor parallelism")
+        layer.gguf_dtype, layer.gguf_parts = dtype, {}
+        for name in ("qweight", "qweight_type"):  # placeholders the model's loader finds by name
+            param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=device), requires_grad=False)
+            param.weight_loader = self._part_loader(layer, name)
+            setattr(layer, name, param)
+
+    @staticmethod
+    def _part_loader(layer: nn.Module, name: str):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            layer.gguf_parts.setdefault(shard_id, {})[name] = loaded.to(param.device)
+        return load
+
+    def tie(self, layer: nn.Module, embedding: nn.Module) -> None:
+        layer.gguf_parts = embedding.gguf_parts  # the same blocks, joined without a copy (one part)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts = [layer.gguf_parts[key] for key in _part_order(layer.gguf_parts)]
+        del layer.qweight, layer.qweight_type
+        layer.gguf_segments = []
+        for qtype, raws in _runs(parts):
+            rows, row_bytes = sum(len(r) for r in raws), raws[0].shape[1]
+            k = row_bytes // qtype.block_bytes * qtype.block_elems
+            if k != layer.input_size:
+                raise ValueError(f"GGUF {qtype.name} rows hold {k} inputs, the layer takes {layer.input_size}")
+            raw = raws[0] if len(raws) == 1 else torch.cat(raws)
+            layer.register_buffer(f"qweight_{len(layer.gguf_segments)}", raw)
+            layer.gguf_segments.append((qtype, rows))
+
+    def segments(self, layer: nn.Module):
+        for i, (qtype, _) in enumerate(layer.gguf_segments):
+            yield qtype, getattr(layer, f"qweight_{i}")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        outs = [self._multiply(x, raw, qtype) for qtype, raw in self.segments(layer)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _multiply(self, x: torch.Tensor, raw: torch.Tensor, qtype: GgufType) -> torch.Tensor:
+        k = x.shape[-1]
+        if self._kernels_serve(x) and len(x) <= self.kernels.gguf_max_rows():
+            return self.kernels.cpu_gguf_linear(x.contiguous(), raw, None, qtype.id, k)
+        return F.linear(x, self._dequantize(raw, qtype, k, x.dtype))
+
+    def _kernels_serve(self, x: torch.Tensor) -> bool:
+        return self.kernels is not None and x.device.type == "cpu" and x.dtype in self.kernels.DTYPES
+
+    def _dequantize(self, raw: torch.Tensor, qtype: GgufType, k: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernels is not None and raw.device.type == "cpu" and dtype in self.kernels.DTYPES:
+            return self.kernels.cpu_gguf_dequantize(raw, qtype.id, k, dtype)
+        return dequantize(raw, qtype, dtype)
+
+    def embed(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        (qtype, raw), = self.segments(layer)
+        return self._dequantize(raw[input_ids], qtype, layer.input_size, layer.gguf_dtype)
+
+
+def _part_order(parts: dict) -> list:
+    """Fused parts in their matrix order (q, k, v; 0, 1, ...; None for a whole matrix)."""
+    qkv = {"q": 0, "k": 1, "v": 2}
+    return sorted(parts, key=lambda key: qkv.get(key, key if isinstance(key, int) else 0))
+
+
+def _runs(parts: list[dict]) -> list[tuple[GgufType, list[torch.Tensor]]]:
+    """Consecutive parts of one type, grouped: [(type, [raw, ...]), ...]."""
+    runs: list[tuple[GgufType, list[torch.Tensor]]] = []
+    for part in parts:
+        qtype = served_type(int(part["qweight_type"].reshape(-1)[0]))
+        raw = part["qweight"]
+        if runs and runs[-1][0] == qtype:
+            runs[-1][1].append(raw)
+        else:
+            runs.append((qtype, [raw]))
+    return runs

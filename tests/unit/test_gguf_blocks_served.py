@@ -1,0 +1,137 @@
+"""A .gguf model is served from its own blocks (``--quantization gguf``, the default for a GGUF): for every
+served type, greedy tokens equal the same file dequantized at load (``--quantization none``), the resident
+weights are the file's bytes, a fused matrix of mixed types multiplies per run of one type, and an unserved
+type is refused naming it and the served ones (``none`` still serves it).
+
+The tiny Qwen3 (hidden 256, so K-quant rows of 256 fit) is written with random but valid blocks: each
+block's scales are set, its quants random, so every type's dequantization is exercised as the file holds it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from conftest import make_llm  # noqa: E402
+from paged_runtime import SamplingParams  # noqa: E402
+from paged_runtime.layers.quantization.gguf_blocks import SERVED  # noqa: E402
+from test_gguf_families import _COMMON, _add_tokenizer, _gguf_tensors, _write_metadata  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+# Per type: the f16 fields (byte offset, value) that scale a block to weights of about +-0.3.
+_SCALES = {"Q4_0": [(0, 0.3 / 8)], "Q4_1": [(0, 0.6 / 15), (2, -0.3)], "Q8_0": [(0, 0.3 / 127)],
+           "Q4_K": [(0, 0.6 / (63 * 15)), (2, 0.3 / 63)], "Q5_K": [(0, 0.6 / (63 * 31)), (2, 0.3 / 63)],
+           "Q6_K": [(208, 0.3 / (127 * 32))]}
+
+
+def random_blocks(rows: int, k: int, name: str, rng) -> np.ndarray:
+    qtype = SERVED[name]
+    raw = rng.integers(0, 256, size=(rows, qtype.row_bytes(k)), dtype=np.uint8)
+    blocks = raw.reshape(-1, qtype.block_bytes)
+    for offset, value in _SCALES[name]:
+        blocks[:, offset:offset + 2] = np.full((len(blocks), 1), value, np.float16).view(np.uint8)
+    return raw
+
+
+def _tiny_qwen3():
+    torch.manual_seed(0)
+    common = {**_COMMON, "hidden_size": 256}
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **common, intermediate_size=512, num_hidden_layers=2, head_dim=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})).float().eval()
+
+
+def write_gguf(tmp_path, types) -> tuple:
+    """The tiny Qwen3 as a GGUF whose 2-D weights are blocks of ``types(gguf_name)`` (None: float32);
+    returns (path, {gguf name: raw bytes written})."""
+    import json
+    from safetensors.numpy import load_file
+    model = _tiny_qwen3()
+    model.save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    _write_metadata(w, "qwen3", cfg, cfg["rope_parameters"])
+    _add_tokenizer(w)
+    rng, written = np.random.default_rng(0), {}
+    for name, a in _gguf_tensors(load_file(str(tmp_path / "hf" / "model.safetensors")), "qwen3", cfg):
+        qtype = types(name) if a.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+            continue
+        written[name] = random_blocks(a.shape[0], a.shape[1], qtype, rng)
+        w.add_tensor(name, written[name], raw_dtype=Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, written
+
+
+def greedy(llm) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 340, n).tolist() for n in (5, 17, 40)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+
+
+def blocks_and_plain(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
+    served = make_llm(path, max_model_len=96, kv_cache_memory=4 << 20)
+    plain = make_llm(path, max_model_len=96, kv_cache_memory=4 << 20, quantization="none")
+    return served, plain
+
+
+@pytest.mark.parametrize("qtype", sorted(SERVED))
+def test_each_served_type_computes_as_its_dequantized_weights(qtype, tmp_path, monkeypatch):
+    path, written = write_gguf(tmp_path, lambda name: qtype)
+    served, plain = blocks_and_plain(path, monkeypatch, tmp_path)
+    model = served.engine.core.runner.model
+    held = {n: b for n, b in model.named_buffers() if ".qweight_" in n}
+    assert sum(b.nbytes for b in held.values()) == sum(r.nbytes for r in written.values())  # embedding tied
+    assert not any(n.endswith("proj.weight") for n, _ in model.named_parameters())
+    assert greedy(served) == greedy(plain)
+
+
+def test_a_fused_matrix_of_mixed_types_multiplies_per_run(tmp_path, monkeypatch):
+    """As Q4_K_M files: attn_v and ffn_up in Q6_K beside Q4_K; q / k join one segment, v is another."""
+    path, _ = write_gguf(tmp_path, lambda name: "Q6_K" if ("attn_v" in name or "ffn_up" in name) else "Q4_K")
+    served, plain = blocks_and_plain(path, monkeypatch, tmp_path)
+    qkv = served.engine.core.runner.model.layers[0].self_attn.qkv_proj
+    assert [(t.name, rows) for t, rows in qkv.gguf_segments] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
+    assert greedy(served) == greedy(plain)
+
+
+def test_an_unserved_type_is_refused_naming_it(tmp_path, monkeypatch):
+    path, _ = write_gguf(tmp_path, lambda name: None)
+    # Rewrite one weight as Q5_0, which gguf-py quantizes and the runtime dequantizes but does not serve.
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "qwen3")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if field.types[0] ==
+                        gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        a = np.asarray(t.data)
+        if t.name == "blk.0.attn_q.weight":
+            w.add_tensor(t.name, gguf.quants.quantize(a, Q.Q5_0), raw_dtype=Q.Q5_0)
+        else:
+            w.add_tensor(t.name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight is stored as Q5_0.*"
+                                         "served types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.*--quantization none"):
+        make_llm(tmp_path / "q5.gguf", max_model_len=96, kv_cache_memory=4 << 20)
+    plain = make_llm(tmp_path / "q5.gguf", max_model_len=96, kv_cache_memory=4 << 20, quantization="none")
+    assert len(greedy(plain)[0]) == 10
