@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from paged_runtime.kernels import gguf_types
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -62,6 +64,10 @@ _SIGNATURES = {
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                                    _f32, _ptr, _int], _int),
     "pr_decode_layer": ([_ptr, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "pr_gguf_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int], _int),
+    "pr_gguf_dequantize": ([_ptr, _ptr, _i64, _i64, _int, _int], _int),
+    "pr_gguf_force_scalar": ([_int], None),
+    "pr_gguf_abi": ([_int], _i64),
 }
 
 
@@ -396,3 +402,64 @@ def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Te
                                 DTYPES[x.dtype])
     if rc:
         raise RuntimeError(f"pr_decode_layer failed ({rc}) for {x.shape[0]} rows")
+
+
+# ---- GGUF block-quantized weights ---------------------------------------------------------------------
+def gguf_max_rows() -> int:
+    """Most rows of x ``cpu_gguf_linear`` takes in one call (GGUF_MAX_ROWS in the C file)."""
+    return int(_lib().pr_gguf_abi(0))
+
+
+def gguf_has_vector_paths() -> bool:
+    """Whether the loaded library has the GGUF kernels' AVX2 paths (else every type runs its scalar loop)."""
+    return bool(_lib().pr_gguf_abi(1))
+
+
+def gguf_force_scalar(on: bool) -> None:
+    """Run the GGUF kernels' scalar paths even where the vector ones exist (for tests), or stop doing so."""
+    _lib().pr_gguf_force_scalar(int(on))
+
+
+def _gguf_weight(weight: torch.Tensor, qtype: int, k: int) -> None:
+    """Raise unless ``weight`` is a contiguous uint8 [N, row_bytes(qtype, k)] tensor (the C code reads it raw)."""
+    expected = gguf_types.row_bytes(qtype, k)  # raises for an unknown type or a k that is not whole blocks
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != expected or not weight.is_contiguous():
+        raise ValueError(f"a {gguf_types.gguf_type(qtype).name} weight of {k} inputs per row must be a contiguous "
+                         f"uint8 [N, {expected}] tensor, not {weight.dtype} {list(weight.shape)}")
+
+
+def _gguf_linear_fake(x, weight, bias, qtype, k):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@_op("cpu_gguf_linear(Tensor x, Tensor weight, Tensor? bias, int qtype, int k) -> Tensor", _gguf_linear_fake)
+def cpu_gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qtype: int,
+                    k: int) -> torch.Tensor:
+    """x [M <= gguf_max_rows(), k] @ dequant(weight).T (+ bias): ``weight`` the GGUF blocks of ggml type
+    ``qtype`` (uint8 [N, row bytes]), never dequantized whole. x is rounded to int8 per 32 inputs first,
+    as llama.cpp does (see the C file): not bit-equal to x @ dequantized.T."""
+    _gguf_weight(weight, qtype, k)
+    (m, kx), n = x.shape, weight.shape[0]
+    if kx != k or x.dtype not in DTYPES or not x.is_contiguous() or not 1 <= m <= gguf_max_rows():
+        raise ValueError(f"cpu_gguf_linear takes a contiguous float32/bfloat16 x of 1..{gguf_max_rows()} rows of "
+                         f"{k}, not {x.dtype} {list(x.shape)}")
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"the bias must be a contiguous {x.dtype} [{n}] tensor")
+    out = torch.empty(m, n, dtype=x.dtype)
+    if _lib().pr_gguf_linear(_p(x), _p(weight), _p(bias), _p(out), m, n, k, qtype, DTYPES[x.dtype]):
+        raise RuntimeError(f"pr_gguf_linear failed for a {m}x{k} input")
+    return out
+
+
+@_op("cpu_gguf_dequantize(Tensor weight, int qtype, int k, ScalarType dtype) -> Tensor",
+     lambda weight, qtype, k, dtype: weight.new_empty(weight.shape[0], k, dtype=dtype))
+def cpu_gguf_dequantize(weight: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, k] float32 or bfloat16 matrix of GGUF rows ``weight`` (uint8 [N, row bytes], ggml type
+    ``qtype``): gguf.quants.dequantize's values (bfloat16: those, rounded once)."""
+    _gguf_weight(weight, qtype, k)
+    if dtype not in DTYPES:
+        raise ValueError(f"cpu_gguf_dequantize makes float32 or bfloat16, not {dtype}")
+    out = torch.empty(weight.shape[0], k, dtype=dtype)
+    if _lib().pr_gguf_dequantize(_p(weight), _p(out), weight.shape[0], k, qtype, DTYPES[dtype]):
+        raise RuntimeError(f"pr_gguf_dequantize failed for {weight.shape[0]} rows of {k}")
+    return out

@@ -593,3 +593,479 @@ int64_t pr_abi(int what) {
     default: return -1;
     }
 }
+
+/* ==== GGUF block-quantized weights ================================================================
+ *
+ * Weights stay in llama.cpp's GGUF blocks (ggml-common.h layouts): a weight is [N, row_bytes] bytes, row
+ * n the K inputs of output n as K / QK blocks, exactly as the file holds them. Two entry points:
+ *
+ * pr_gguf_dequantize: rows to fp32 / bf16, the same values as gguf.quants.dequantize (same fp32 operations
+ *   in the same order: (d * sc) * q, then + m where the type has a min), bf16 rounded once from those.
+ *
+ * pr_gguf_linear: out = x @ dequant(w).T (+ bias) for up to GGUF_MAX_ROWS rows of x, without the
+ *   dequantized matrix: as llama.cpp does, each 32-run of an x row is first rounded to int8 with one
+ *   fp32 scale (d = max|x| / 127, q = nearest(x / d)), then every weight block meets it in an integer dot
+ *   product, scaled in fp32 once per 32 weights (the types' mins through the run's sum d * sum(q)). So
+ *   the result differs from the exact x @ dequant(w).T by the activation rounding (a relative error of
+ *   about 1/254 per element at worst, averaging out over K), and paths differ only in fp32 sum order.
+ *   Weights are streamed once per call for all rows; OpenMP threads take contiguous runs of output rows.
+ *
+ * The vector paths need AVX2 (+ FMA, F16C: -march=native on any AVX2 CPU has them); every type also has
+ * a scalar path, compiled everywhere, which pr_gguf_force_scalar(1) selects at run time (tests use both).
+ * No AVX-512 code here: none could be tested on the machine this was written on.
+ */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_AVX2 1
+#include <immintrin.h>
+#else
+#define GGUF_AVX2 0
+#endif
+
+#define GGUF_MAX_ROWS MAX_ROWS /* rows of x per pr_gguf_linear call */
+
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q4_K = 12, GGUF_Q5_K = 13,
+       GGUF_Q6_K = 14 };
+
+static int gguf_force_scalar = 0;
+
+/* Bytes per block; 0 for a type this file does not know. */
+static int64_t gguf_block_bytes(int qt) {
+    switch (qt) {
+    case GGUF_Q4_0: return 18;
+    case GGUF_Q4_1: return 20;
+    case GGUF_Q5_0: return 22;
+    case GGUF_Q5_1: return 24;
+    case GGUF_Q8_0: return 34;
+    case GGUF_Q4_K: return 144;
+    case GGUF_Q5_K: return 176;
+    case GGUF_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int gguf_qk(int qt) { return qt >= GGUF_Q4_K ? 256 : 32; } /* weights per block */
+static inline int gguf_has_min(int qt) {
+    return qt == GGUF_Q4_1 || qt == GGUF_Q5_1 || qt == GGUF_Q4_K || qt == GGUF_Q5_K;
+}
+/* Types whose 32 decoded values are signed (the vector dot then moves the sign onto x). */
+static inline int gguf_signed(int qt) {
+    return qt == GGUF_Q4_0 || qt == GGUF_Q5_0 || qt == GGUF_Q8_0 || qt == GGUF_Q6_K;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#if GGUF_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        float f = (float)man * 0x1p-24f; /* zero or subnormal: exact */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_f32(h);
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K block's 12 packed scale bytes. */
+static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* 32-run s of the block at p holds w[i] = (i < 16 ? lo : hi) * q[i] (+ m where the type has a min). */
+typedef struct {
+    float lo, hi, m;
+} GgufScales;
+
+static inline GgufScales gguf_scales(const uint8_t *p, int s, int qt) {
+    switch (qt) {
+    case GGUF_Q4_1: case GGUF_Q5_1: {
+        float d = half_at(p);
+        return (GgufScales){d, d, half_at(p + 2)};
+    }
+    case GGUF_Q4_K: case GGUF_Q5_K: {
+        int sc, mn;
+        k4_scale_min(p + 4, s, &sc, &mn);
+        float d = half_at(p) * (float)sc;
+        return (GgufScales){d, d, -(half_at(p + 2) * (float)mn)};
+    }
+    case GGUF_Q6_K: {
+        const int8_t *sc = (const int8_t *)(p + 192) + (s / 4) * 8 + (s % 4) * 2;
+        float d = half_at(p + 208);
+        return (GgufScales){d * (float)sc[0], d * (float)sc[1], 0.f};
+    }
+    default: { /* Q4_0, Q5_0, Q8_0 */
+        float d = half_at(p);
+        return (GgufScales){d, d, 0.f};
+    }
+    }
+}
+
+/* The 32 integer weights of run s of the block at p (the q above). */
+static inline void gguf_q_scalar(const uint8_t *p, int s, int qt, int8_t *q) {
+    switch (qt) {
+    case GGUF_Q4_0: case GGUF_Q4_1: {
+        const uint8_t *qs = p + (qt == GGUF_Q4_0 ? 2 : 4);
+        int off = qt == GGUF_Q4_0 ? 8 : 0;
+        for (int j = 0; j < 16; j++) q[j] = (int8_t)((qs[j] & 15) - off), q[j + 16] = (int8_t)((qs[j] >> 4) - off);
+        break;
+    }
+    case GGUF_Q5_0: case GGUF_Q5_1: {
+        const uint8_t *qh_at = p + (qt == GGUF_Q5_0 ? 2 : 4), *qs = qh_at + 4;
+        uint32_t qh = (uint32_t)qh_at[0] | (uint32_t)qh_at[1] << 8 | (uint32_t)qh_at[2] << 16 | (uint32_t)qh_at[3] << 24;
+        int off = qt == GGUF_Q5_0 ? 16 : 0;
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(((qs[j] & 15) | ((qh >> j) & 1) << 4) - off);
+            q[j + 16] = (int8_t)(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - off);
+        }
+        break;
+    }
+    case GGUF_Q8_0: memcpy(q, p + 2, 32); break;
+    case GGUF_Q4_K: case GGUF_Q5_K: {
+        const uint8_t *ql = p + (qt == GGUF_Q4_K ? 16 : 48) + (s / 2) * 32, *qh = p + 16;
+        int shift = (s & 1) * 4;
+        for (int j = 0; j < 32; j++)
+            q[j] = (int8_t)(((ql[j] >> shift) & 15) | (qt == GGUF_Q5_K ? ((qh[j] >> s) & 1) << 4 : 0));
+        break;
+    }
+    case GGUF_Q6_K: {
+        int h = s / 4, r = s % 4;
+        const uint8_t *ql = p + 64 * h + (r & 1) * 32, *qh = p + 128 + 32 * h;
+        for (int j = 0; j < 32; j++)
+            q[j] = (int8_t)((((ql[j] >> ((r >> 1) * 4)) & 15) | ((qh[j] >> (2 * r)) & 3) << 4) - 32);
+        break;
+    }
+    }
+}
+
+/* x rows as int8 runs of 32: run i (row i / runs, flattened) is d[i] * q[32 i ..], with s[i] = d[i] * sum q. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+} GgufActs;
+
+static void gguf_quantize_run_scalar(const void *x, int64_t i, int dt, GgufActs a) {
+    float v[32], amax = 0.f;
+    for (int j = 0; j < 32; j++) v[j] = load(x, i * 32 + j, dt), amax = fmaxf(amax, fabsf(v[j]));
+    float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        int q = (int)nearbyintf(v[j] * id);
+        a.q[i * 32 + j] = (int8_t)q;
+        sum += q;
+    }
+    a.d[i] = d, a.s[i] = d * (float)sum;
+}
+
+/* out rows m of one weight row (the run at row), scalar: sums[m] for m < M. */
+static void gguf_dot_scalar(const uint8_t *row, int64_t K, int qt, GgufActs a, int M, float *sums) {
+    int64_t bb = gguf_block_bytes(qt), runs = K / 32;
+    int per = gguf_qk(qt) / 32;
+    for (int m = 0; m < M; m++) sums[m] = 0.f;
+    for (int64_t r = 0; r < runs; r++) {
+        const uint8_t *p = row + r / per * bb;
+        int s = (int)(r % per);
+        int8_t q[32];
+        gguf_q_scalar(p, s, qt, q);
+        GgufScales sc = gguf_scales(p, s, qt);
+        for (int m = 0; m < M; m++) {
+            const int8_t *x = a.q + m * K + r * 32;
+            int lo = 0, hi = 0;
+            for (int j = 0; j < 16; j++) lo += q[j] * x[j], hi += q[j + 16] * x[j + 16];
+            sums[m] += (sc.lo * (float)lo + sc.hi * (float)hi) * a.d[m * runs + r] + sc.m * a.s[m * runs + r];
+        }
+    }
+}
+
+static void gguf_dequantize_run_scalar(const uint8_t *p, int s, int qt, void *out, int64_t at, int dt) {
+    int8_t q[32];
+    gguf_q_scalar(p, s, qt, q);
+    GgufScales sc = gguf_scales(p, s, qt);
+    for (int j = 0; j < 32; j++) {
+        float w = (j < 16 ? sc.lo : sc.hi) * (float)q[j];
+        store(out, at + j, gguf_has_min(qt) ? w + sc.m : w, dt);
+    }
+}
+
+#if GGUF_AVX2
+static inline __m256 gguf_load8(const void *x, int64_t i, int dt) {
+    if (dt == BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The same rounding as gguf_quantize_run_scalar (round to nearest even, through the same reciprocal). */
+static void gguf_quantize_run_avx2(const void *x, int64_t i, int dt, GgufActs a) {
+    __m256 v[4], amax = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
+    for (int j = 0; j < 4; j++) v[j] = gguf_load8(x, i * 32 + 8 * j, dt), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    __m256i q[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        total = _mm256_add_epi32(total, q[j]);
+    }
+    /* packs interleave the 128-bit lanes: 32-bit groups come out as 0 2 4 6 1 3 5 7, put back in order */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(a.q + i * 32), p);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    a.d[i] = d, a.s[i] = d * (float)_mm_cvtsi128_si32(t);
+}
+
+/* 16 nibbles per byte pair: low nibbles are weights 0-15, high ones 16-31. */
+static inline __m256i nibbles16(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+}
+
+/* 0x10 in byte i where bit i of the 32-bit little-endian word at p is set. */
+static inline __m256i bit4_from_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                    _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)); /* all bits but bit i % 8 of byte i */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(-1)), _mm256_set1_epi8(16));
+}
+
+/* The q of gguf_q_scalar, as 32 int8 lanes. */
+static inline __attribute__((always_inline)) __m256i gguf_q_avx2(const uint8_t *p, int s, int qt) {
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    switch (qt) {
+    case GGUF_Q4_0: return _mm256_sub_epi8(nibbles16(p + 2), _mm256_set1_epi8(8));
+    case GGUF_Q4_1: return nibbles16(p + 4);
+    case GGUF_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles16(p + 6), bit4_from_bits(p + 2)), _mm256_set1_epi8(16));
+    case GGUF_Q5_1: return _mm256_or_si256(nibbles16(p + 8), bit4_from_bits(p + 4));
+    case GGUF_Q8_0: return _mm256_loadu_si256((const __m256i *)(p + 2));
+    case GGUF_Q4_K: case GGUF_Q5_K: {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + (qt == GGUF_Q4_K ? 16 : 48) + (s / 2) * 32));
+        v = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
+        if (qt == GGUF_Q4_K) return v;
+        __m256i bit = _mm256_set1_epi8((char)(1 << s)), qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+        __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16));
+        return _mm256_or_si256(v, high);
+    }
+    default: { /* Q6_K: low 4 bits from ql, bits 4-5 from qh bits 2r, 2r + 1 */
+        int h = s / 4, r = s % 4;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * h + (r & 1) * 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        ql = _mm256_and_si256(r >> 1 ? _mm256_srli_epi16(ql, 4) : ql, lo4);
+        qh = r == 0 ? _mm256_slli_epi16(qh, 4) : r == 1 ? _mm256_slli_epi16(qh, 2) : r == 3 ? _mm256_srli_epi16(qh, 2) : qh;
+        qh = _mm256_and_si256(qh, _mm256_set1_epi8(0x30));
+        return _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+    }
+    }
+}
+
+/* sums[g] = row . x row g, for G (constant after inlining) rows of x from a's row g0 on. */
+static inline __attribute__((always_inline)) void gguf_dot_avx2(const uint8_t *row, int64_t K, const int qt, GgufActs a,
+                                                                int64_t g0, const int G, float *sums) {
+    const int64_t bb = gguf_block_bytes(qt), runs = K / 32, blocks = K / gguf_qk(qt);
+    const int per = gguf_qk(qt) / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    float macc[4];
+    for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps(), macc[g] = 0.f;
+    const int8_t *xq = a.q + g0 * K;
+    const float *xd = a.d + g0 * runs, *xs = a.s + g0 * runs;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * bb;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        if (bb > 64) _mm_prefetch((const char *)p + PREFETCH + 64, _MM_HINT_T0);
+        if (bb > 128) _mm_prefetch((const char *)p + PREFETCH + 128, _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int s = 0; s < per; s++) {
+            int64_t r = b * per + s;
+            __m256i q = gguf_q_avx2(p, s, qt), qa = gguf_signed(qt) ? _mm256_sign_epi8(q, q) : q;
+            GgufScales sc = gguf_scales(p, s, qt);
+            __m256 dv = qt == GGUF_Q6_K ? _mm256_set_m128(_mm_set1_ps(sc.hi), _mm_set1_ps(sc.lo)) : _mm256_set1_ps(sc.lo);
+            for (int g = 0; g < G; g++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * K + r * 32));
+                __m256i p16 = _mm256_maddubs_epi16(qa, gguf_signed(qt) ? _mm256_sign_epi8(x, q) : x);
+                __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc[g] = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, _mm256_broadcast_ss(xd + g * runs + r)), acc[g]);
+                if (gguf_has_min(qt)) macc[g] += sc.m * xs[g * runs + r];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) sums[g] = hsum8(acc[g]) + macc[g];
+}
+
+static inline __attribute__((always_inline)) void gguf_dot_rows_avx2(const uint8_t *row, int64_t K, const int qt,
+                                                                     GgufActs a, int M, float *sums) {
+    for (int g0 = 0; g0 < M; g0 += 4) { /* 4 x rows a pass: accumulators stay in registers */
+        switch (M - g0 < 4 ? M - g0 : 4) {
+        case 1: gguf_dot_avx2(row, K, qt, a, g0, 1, sums + g0); break;
+        case 2: gguf_dot_avx2(row, K, qt, a, g0, 2, sums + g0); break;
+        case 3: gguf_dot_avx2(row, K, qt, a, g0, 3, sums + g0); break;
+        default: gguf_dot_avx2(row, K, qt, a, g0, 4, sums + g0); break;
+        }
+    }
+}
+
+static void gguf_dot_any_avx2(const uint8_t *row, int64_t K, int qt, GgufActs a, int M, float *sums) {
+    switch (qt) { /* one specialisation per type */
+    case GGUF_Q4_0: gguf_dot_rows_avx2(row, K, GGUF_Q4_0, a, M, sums); break;
+    case GGUF_Q4_1: gguf_dot_rows_avx2(row, K, GGUF_Q4_1, a, M, sums); break;
+    case GGUF_Q5_0: gguf_dot_rows_avx2(row, K, GGUF_Q5_0, a, M, sums); break;
+    case GGUF_Q5_1: gguf_dot_rows_avx2(row, K, GGUF_Q5_1, a, M, sums); break;
+    case GGUF_Q8_0: gguf_dot_rows_avx2(row, K, GGUF_Q8_0, a, M, sums); break;
+    case GGUF_Q4_K: gguf_dot_rows_avx2(row, K, GGUF_Q4_K, a, M, sums); break;
+    case GGUF_Q5_K: gguf_dot_rows_avx2(row, K, GGUF_Q5_K, a, M, sums); break;
+    default: gguf_dot_rows_avx2(row, K, GGUF_Q6_K, a, M, sums); break;
+    }
+}
+
+/* 8 fp32 to 8 bfloat16, rounded to nearest even as f32_to_bf16 (NaN kept NaN). */
+static inline __m128i bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+static inline __attribute__((always_inline)) void gguf_dequantize_run_avx2(const uint8_t *p, int s, const int qt,
+                                                                           void *out, int64_t at, int dt) {
+    __m256i q = gguf_q_avx2(p, s, qt);
+    GgufScales sc = gguf_scales(p, s, qt);
+    __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int j = 0; j < 4; j++) {
+        __m128i h = halves[j / 2];
+        __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(j & 1 ? _mm_srli_si128(h, 8) : h));
+        w = _mm256_mul_ps(w, _mm256_set1_ps(j < 2 ? sc.lo : sc.hi)); /* then + m: gguf's order, no fma */
+        if (gguf_has_min(qt)) w = _mm256_add_ps(w, _mm256_set1_ps(sc.m));
+        if (dt == BF16) _mm_storeu_si128((__m128i *)((uint16_t *)out + at + 8 * j), bf16x8(w));
+        else _mm256_storeu_ps((float *)out + at + 8 * j, w);
+    }
+}
+
+static void gguf_dequantize_range_avx2(const uint8_t *w, int64_t begin, int64_t end, int64_t K, int qt, void *out,
+                                       int dt) {
+    int64_t bb = gguf_block_bytes(qt), runs = K / 32;
+    int per = gguf_qk(qt) / 32;
+    for (int64_t i = begin; i < end; i++) { /* run i: row i / runs, run i % runs of that row */
+        const uint8_t *p = w + (i / runs) * (K / gguf_qk(qt)) * bb + (i % runs) / per * bb;
+        int s = (int)(i % runs % per);
+        switch (qt) {
+        case GGUF_Q4_0: gguf_dequantize_run_avx2(p, s, GGUF_Q4_0, out, i * 32, dt); break;
+        case GGUF_Q4_1: gguf_dequantize_run_avx2(p, s, GGUF_Q4_1, out, i * 32, dt); break;
+        case GGUF_Q5_0: gguf_dequantize_run_avx2(p, s, GGUF_Q5_0, out, i * 32, dt); break;
+        case GGUF_Q5_1: gguf_dequantize_run_avx2(p, s, GGUF_Q5_1, out, i * 32, dt); break;
+        case GGUF_Q8_0: gguf_dequantize_run_avx2(p, s, GGUF_Q8_0, out, i * 32, dt); break;
+        case GGUF_Q4_K: gguf_dequantize_run_avx2(p, s, GGUF_Q4_K, out, i * 32, dt); break;
+        case GGUF_Q5_K: gguf_dequantize_run_avx2(p, s, GGUF_Q5_K, out, i * 32, dt); break;
+        default: gguf_dequantize_run_avx2(p, s, GGUF_Q6_K, out, i * 32, dt); break;
+        }
+    }
+}
+#endif
+
+static inline int gguf_vector(void) { return GGUF_AVX2 && !gguf_force_scalar; }
+
+/* 0 if qt is known and K a whole number of its blocks, else -1. */
+static int gguf_check(int64_t K, int qt) { return gguf_block_bytes(qt) && K > 0 && K % gguf_qk(qt) == 0 ? 0 : -1; }
+
+/* out[M, N] = x[M, K] @ dequant(w[N, row bytes]).T (+ bias[N]); x, bias, out in dt. Returns -1 for an
+ * unknown type, a K that is not whole blocks or M outside 1..GGUF_MAX_ROWS; -2 if scratch is not had. */
+int pr_gguf_linear(const void *x, const void *w, const void *bias, void *out, int64_t M, int64_t N, int64_t K,
+                   int qt, int dt) {
+    if (gguf_check(K, qt) || M < 1 || M > GGUF_MAX_ROWS) return -1;
+    int64_t runs = M * K / 32, bb = gguf_block_bytes(qt), row_bytes = K / gguf_qk(qt) * bb;
+    char *scratch = alloc_lines(M * K + 2 * sizeof(float) * runs);
+    if (!scratch) return -2;
+    GgufActs a = {(int8_t *)scratch, (float *)(scratch + M * K), (float *)(scratch + M * K) + runs};
+    int vector = gguf_vector();
+    (void)vector; /* unused without AVX2 */
+#pragma omp parallel
+    {
+#pragma omp for
+        for (int64_t i = 0; i < runs; i++) {
+#if GGUF_AVX2
+            if (vector) gguf_quantize_run_avx2(x, i, dt, a);
+            else
+#endif
+                gguf_quantize_run_scalar(x, i, dt, a);
+        }
+        int64_t begin, end;
+        thread_range(N, &begin, &end);
+        float sums[GGUF_MAX_ROWS];
+        for (int64_t n = begin; n < end; n++) {
+            const uint8_t *row = (const uint8_t *)w + n * row_bytes;
+#if GGUF_AVX2
+            if (vector) gguf_dot_any_avx2(row, K, qt, a, (int)M, sums);
+            else
+#endif
+                gguf_dot_scalar(row, K, qt, a, (int)M, sums);
+            float b = bias ? load(bias, n, dt) : 0.f;
+            for (int64_t m = 0; m < M; m++) store(out, m * N + n, sums[m] + b, dt);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* out[N, K] (dt) = dequant(w[N, row bytes]): gguf.quants.dequantize's values. -1 as pr_gguf_linear. */
+int pr_gguf_dequantize(const void *w, void *out, int64_t N, int64_t K, int qt, int dt) {
+    if (gguf_check(K, qt) || N < 0) return -1;
+    int64_t runs = N * K / 32, bb = gguf_block_bytes(qt), blocks = K / gguf_qk(qt);
+    int per = gguf_qk(qt) / 32, vector = gguf_vector();
+#pragma omp parallel if (runs > 256)
+    {
+        int64_t begin, end;
+        thread_range(runs, &begin, &end);
+#if GGUF_AVX2
+        if (vector) gguf_dequantize_range_avx2(w, begin, end, K, qt, out, dt);
+        else
+#endif
+            for (int64_t i = begin; i < end; i++) {
+                int64_t n = i / (K / 32), r = i % (K / 32);
+                gguf_dequantize_run_scalar((const uint8_t *)w + (n * blocks + r / per) * bb, (int)(r % per), qt, out,
+                                           i * 32, dt);
+            }
+    }
+    (void)vector; /* unused without AVX2 */
+    return 0;
+}
+
+/* 1: select the scalar paths even where the vector ones exist (tests); 0: back to the default. */
+void pr_gguf_force_scalar(int on) { gguf_force_scalar = on; }
+
+/* 0: GGUF_MAX_ROWS; 1: whether the vector (AVX2) paths are compiled in; -1 for anything else. */
+int64_t pr_gguf_abi(int what) {
+    switch (what) {
+    case 0: return GGUF_MAX_ROWS;
+    case 1: return GGUF_AVX2;
+    default: return -1;
+    }
+}

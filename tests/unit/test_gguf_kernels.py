@@ -1,0 +1,166 @@
+"""The GGUF block kernels (cpu_ops.c, GGUF section) against the gguf package's reference dequantization.
+
+Dequantization must equal ``gguf.quants.dequantize`` exactly (fp32; bf16 is that value rounded once). The
+linear rounds each 32-run of an x row to int8 first (llama.cpp's scheme), so it is checked two ways:
+against the same rounding emulated in torch (then only fp32 summation order differs: a relative 1e-5 of
+the sum of |terms|), and against the exact x @ dequant(w).T within the bound that rounding allows
+(each x element moves by at most half its run's step, max|x| / 254, so the sum by sum |w| * that).
+Both the AVX2 and the scalar paths run (``gguf_force_scalar``), and a build without AVX2 is checked too.
+"""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from paged_runtime.config import default_cache_dir
+from paged_runtime.kernels import cpu
+from paged_runtime.kernels.gguf_types import GGUF_TYPES, gguf_type, row_bytes, supported_names
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
+
+WITH_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+PATHS = ("vector", "scalar")
+
+
+def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random but valid GGUF rows: random bytes with every fp16 scale field set to a finite value (a few
+    special ones among them: zero, a subnormal, negatives)."""
+    rng = np.random.default_rng(seed)
+    t = GGUF_TYPES[name]
+    raw = rng.integers(0, 256, size=(n, row_bytes(t, k)), dtype=np.uint8)
+    blocks = raw.reshape(n, k // t.block_elems, t.block_bytes)
+    for offset in ((208,) if name == "Q6_K" else (0, 2) if name in WITH_MIN else (0,)):
+        d = rng.uniform(-0.05, 0.05, size=blocks.shape[:2]).astype(np.float16)
+        d.flat[:3] = [0.0, 2.0 ** -20, -(2.0 ** -16)]
+        blocks[:, :, offset:offset + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return raw
+
+
+def reference(raw: np.ndarray, name: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).astype(np.float32))
+
+
+def shapes(name: str) -> list[int]:
+    return [256, 512] if GGUF_TYPES[name].block_elems == 256 else [64, 96]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param == "vector" and not cpu.gguf_has_vector_paths():
+        pytest.skip("this CPU has no AVX2: the library has only the scalar paths")
+    cpu.gguf_force_scalar(request.param == "scalar")
+    yield request.param
+    cpu.gguf_force_scalar(False)
+
+
+def test_type_table_matches_the_gguf_package():
+    for name in supported_names():
+        t = gguf_type(name)
+        assert gguf.GGMLQuantizationType[name] == t.id and gguf_type(t.id) is t
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]] == (t.block_elems, t.block_bytes)
+    assert row_bytes("q4_1", 576) == 576 // 32 * 20
+    with pytest.raises(ValueError, match="Q4_0 \\(2\\)"):
+        gguf_type("IQ2_XS")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        row_bytes("Q4_K", 576)
+
+
+@pytest.mark.parametrize("name", supported_names())
+def test_dequantize_equals_the_gguf_package(name, path):
+    for k in shapes(name):
+        raw = make_weight(name, 37, k)
+        ref = reference(raw, name)
+        w = torch.from_numpy(raw)
+        out = cpu.cpu_gguf_dequantize(w, gguf_type(name).id, k, torch.float32)
+        assert torch.equal(out, ref)
+        assert torch.equal(cpu.cpu_gguf_dequantize(w, gguf_type(name).id, k, torch.bfloat16), ref.bfloat16())
+        assert torch.equal(cpu.cpu_gguf_dequantize(w[5:6], gguf_type(name).id, k, torch.float32), ref[5:6])
+
+
+def int8_runs(x: torch.Tensor) -> torch.Tensor:
+    """x with each 32-run rounded as the kernel does: step d = max|x| / 127, x -> round(x / d) * d."""
+    runs = x.float().reshape(x.shape[0], -1, 32)
+    d = runs.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(runs * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", supported_names())
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_linear_matches_the_dequantized_product(name, dtype, path):
+    qtype = gguf_type(name).id
+    for k in shapes(name):
+        raw = make_weight(name, 37, k, seed=k)
+        w, ref_w = torch.from_numpy(raw), reference(raw, name).double()
+        for m in (1, 3, cpu.gguf_max_rows()):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            bias = torch.randn(37).to(dtype)
+            for b in (None, bias):
+                out = cpu.cpu_gguf_linear(x, w, b, qtype, k).double()
+                shift = torch.zeros(37, dtype=torch.float64) if b is None else b.double()
+                # the same int8 rounding of x: only fp32 summation order (and one bf16 rounding) apart
+                xq = int8_runs(x).double()
+                ref = xq @ ref_w.T + shift
+                slack = 1e-5 * (xq.abs() @ ref_w.abs().T + shift.abs()) + 1e-30
+                if dtype == torch.bfloat16:
+                    slack = slack + 2 ** -8 * ref.abs()
+                assert ((out - ref).abs() <= slack).all()
+                # the exact product, within what the rounding of x allows
+                xd = x.double()
+                step = xd.reshape(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, k) / 254
+                exact = xd @ ref_w.T + shift
+                assert ((out - exact).abs() <= step @ ref_w.abs().T + slack).all()
+
+
+def test_linear_rejects_bad_input():
+    raw = torch.from_numpy(make_weight("Q4_1", 8, 64))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="Q4_K"):
+        cpu.cpu_gguf_linear(x, raw, None, 99, 64)
+    with pytest.raises(ValueError, match="uint8 \\[N, 40\\]"):
+        cpu.cpu_gguf_linear(x, raw[:, :20], None, 3, 64)
+    with pytest.raises(ValueError, match="rows of 64"):
+        cpu.cpu_gguf_linear(torch.randn(cpu.gguf_max_rows() + 1, 64), raw, None, 3, 64)
+    with pytest.raises(ValueError, match="bias"):
+        cpu.cpu_gguf_linear(x, raw, torch.zeros(7), 3, 64)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu.cpu_gguf_dequantize(raw, 3, 64, torch.float16)
+
+
+def test_ops_trace_with_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        w = torch.empty(37, 40, dtype=torch.uint8)
+        assert torch.ops.paged_runtime.cpu_gguf_linear(torch.empty(3, 64), w, None, 3, 64).shape == (3, 37)
+        out = torch.ops.paged_runtime.cpu_gguf_dequantize(w, 3, 64, torch.bfloat16)
+        assert out.shape == (37, 64) and out.dtype == torch.bfloat16
+
+
+def test_a_build_without_avx2_runs_the_scalar_paths(tmp_path):
+    """The library compiled for a baseline x86-64 (no AVX, no F16C: the portable fp16 conversion) gives
+    the same dequantization and, up to summation order, the same linear."""
+    compiler = cpu._compiler()
+    if compiler is None or "x86_64" not in subprocess.run(["uname", "-m"], capture_output=True, text=True).stdout:
+        pytest.skip("needs a C compiler on x86-64")
+    so = tmp_path / "baseline.so"
+    subprocess.run([compiler, "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(cpu.SOURCE),
+                    "-o", str(so), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    cpu._bind(lib)
+    assert lib.pr_gguf_abi(1) == 0
+    for name in supported_names():
+        k, qtype = shapes(name)[0], gguf_type(name).id
+        raw = make_weight(name, 37, k)
+        ref, w = reference(raw, name), torch.from_numpy(raw)
+        out = torch.empty(37, k)
+        assert lib.pr_gguf_dequantize(w.data_ptr(), out.data_ptr(), 37, k, qtype, 0) == 0
+        assert torch.equal(out, ref)
+        x, y = torch.randn(3, k), torch.empty(3, 37)
+        assert lib.pr_gguf_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 3, 37, k, qtype, 0) == 0
+        xq = int8_runs(x).double()
+        assert ((y.double() - xq @ ref.double().T).abs() <= 1e-5 * (xq.abs() @ ref.double().abs().T)).all()
