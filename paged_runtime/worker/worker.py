@@ -109,7 +109,7 @@ class Worker:
         if (self.device.type != "cpu" or config.quantization == "none" or checkpoint_quantization(path) != "gguf"
                 or config.cpu_kernels is False or config.enforce_eager):
             return None
-        if cpu_kernels.load(str(config.cache_dir)) and hasattr(cpu_kernels, "cpu_gguf_linear"):
+        if cpu_kernels.load(str(config.cache_dir)):
             return cpu_kernels
         logger.warning("GGUF blocks are multiplied by dequantizing them in PyTorch (the CPU kernels did not load)")
         return None

@@ -44,7 +44,7 @@ def test_tiny_beam_search_matches_transformers(tiny_llama_dir, width, length_pen
 def test_smollm2_beam_search_matches_transformers(smollm2_dir):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    llm = make_llm(smollm2_dir, max_model_len=256, kv_cache_memory=64 * 2**20)
+    llm = make_llm(smollm2_dir, quantization="none", max_model_len=256, kv_cache_memory=64 * 2**20)
     tokenizer = llm.get_tokenizer()
     prompts = ["The best way to learn a language is", "def add(a, b):"]
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=16))

@@ -66,7 +66,9 @@ def test_unchunked_batch_with_small_decode_groups(tiny_llama_dir, tiny_hf, monke
 def test_smollm2_matches_transformers(smollm2_dir):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    llm = make_llm(smollm2_dir, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4,
+    # quantization="none": the file's dequantized weights, the ones transformers loads (the GGUF's own blocks
+    # have their tests in test_gguf_blocks_served.py and test_quantization.py).
+    llm = make_llm(smollm2_dir, quantization="none", max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4,
                    kv_cache_memory=10 * 16 * (2 * 30 * 3 * 64 * 4))  # 10 blocks: forces preemption
     tokenizer = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",

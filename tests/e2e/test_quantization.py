@@ -79,8 +79,9 @@ def test_quantized_models_hold_fewer_weight_bytes(engines):
     assert layers["int8"] <= 0.51 * layers["none"] and layers["int4"] <= 0.30 * layers["none"], layers
     assert sizes["int4"] < sizes["int8"] < sizes["none"]  # embeddings and LM head stay bfloat16
     assert not any(name.endswith("proj.weight") for name, _ in models["int8"].named_parameters())
-    # Q4_1: 20 bytes per 32 weights (0.3125x bfloat16); the file's Q8_0 embedding (34 per 32) is the LM head too.
-    assert layers["gguf"] <= 0.3125 * layers["none"] + 4096, layers
+    # Q4_1: 20 bytes per 32 weights (0.3125x bfloat16; 0.314x with the layers' norms and rotary tables); the
+    # file's Q8_0 embedding (34 bytes per 32) is the LM head too.
+    assert layers["gguf"] <= 0.315 * layers["none"], layers
     assert sizes["gguf"] <= 0.37 * sizes["none"], sizes
     assert not any(name.endswith(".weight") and "norm" not in name for name, _ in models["gguf"].named_parameters())
 

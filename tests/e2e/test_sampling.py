@@ -18,7 +18,8 @@ def tiny(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
-    return make_llm(smollm2_dir, max_model_len=256, max_num_seqs=64, kv_cache_memory=96 * 2**20)
+    # The dequantized weights transformers loads too (quantization="none").
+    return make_llm(smollm2_dir, quantization="none", max_model_len=256, max_num_seqs=64, kv_cache_memory=96 * 2**20)
 
 
 def hf_logprobs(model_dir, token_ids: list[int]) -> torch.Tensor:

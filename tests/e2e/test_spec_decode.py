@@ -120,13 +120,14 @@ def test_smollm2_greedy_identical_with_ngram_and_draft(smollm2_dir, tmp_path):
     text = ("Copy this list exactly: apples, pears, plums, apples, pears, plums, apples, pears, plums. "
             "Copy: apples, pears,")
     draft = write_truncated_draft(smollm2_dir, tmp_path / "draft", 6)
-    plain = make_llm(smollm2_dir, max_model_len=256, kv_cache_memory=64 * 2**20)
+    plain = make_llm(smollm2_dir, quantization="none", max_model_len=256, kv_cache_memory=64 * 2**20)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     prompts = [text, "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib("]
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     for spec in ({"method": "ngram", "num_speculative_tokens": 4},
                  {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
-        llm = make_llm(smollm2_dir, max_model_len=256, kv_cache_memory=96 * 2**20, speculative_config=spec)
+        llm = make_llm(smollm2_dir, quantization="none", max_model_len=256, kv_cache_memory=96 * 2**20,
+                       speculative_config=spec)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, spec["method"]
         assert llm.engine.core.spec_stats.num_accepted_tokens > 0

@@ -387,8 +387,10 @@ def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     block_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4 * 16  # K and V, fp32, 16 tokens
     # 10 blocks is too few for the batch: requests are preempted and recomputed.
+    # The blocks multiplied by their torch definition (cpu_kernels=False), which computes exactly the dequantized
+    # weights; the compiled kernels round activations to 8 bits (test_gguf_blocks_served.py bounds them).
     llm = make_llm(path, max_model_len=160, max_num_batched_tokens=24, max_num_seqs=4,
-                   kv_cache_memory=10 * block_bytes, block_size=16)
+                   kv_cache_memory=10 * block_bytes, block_size=16, cpu_kernels=False)
     assert type(llm.engine.core.runner.model).__name__ == type(model).__name__
     (converted,) = (d for d in (tmp_path / "cache").iterdir() if (d / "config.json").exists())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()

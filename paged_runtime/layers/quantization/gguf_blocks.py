@@ -8,39 +8,23 @@ min), so the result equals ``gguf.quants.dequantize`` bit for bit before the fin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class GgufType:
-    name: str
-    id: int           # GGMLQuantizationType
-    block_elems: int
-    block_bytes: int
-
-    def row_bytes(self, k: int) -> int:
-        if k % self.block_elems:
-            raise ValueError(f"{self.name} rows hold multiples of {self.block_elems} values, not {k}")
-        return k // self.block_elems * self.block_bytes
+from paged_runtime.kernels.gguf_types import GGUF_TYPES, GgufType, gguf_type
 
 
+# The block types served as they are (what Q4_0 / Q4_1 / Q5_x / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files hold).
+SERVED = GGUF_TYPES
 _QK_K = 256
-# The block types served as they are (what Q4_0 / Q4_1 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K files hold).
-SERVED = {t.name: t for t in (GgufType("Q4_0", 2, 32, 18), GgufType("Q4_1", 3, 32, 20), GgufType("Q8_0", 8, 32, 34),
-                              GgufType("Q4_K", 12, _QK_K, 144), GgufType("Q5_K", 13, _QK_K, 176),
-                              GgufType("Q6_K", 14, _QK_K, 210))}
-BY_ID = {t.id: t for t in SERVED.values()}
 
 
 def served_type(name_or_id: str | int) -> GgufType:
     """The served type of that name or id; ValueError naming it and listing the served ones."""
-    found = SERVED.get(name_or_id) if isinstance(name_or_id, str) else BY_ID.get(int(name_or_id))
-    if found is None:
+    try:
+        return gguf_type(name_or_id)
+    except ValueError:
         raise ValueError(f"GGUF tensor type {name_or_id} is not served quantized; served types: "
-                         f"{', '.join(SERVED)} (--quantization none dequantizes any type at load)")
-    return found
+                         f"{', '.join(SERVED)} (--quantization none dequantizes any type at load)") from None
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -61,6 +45,22 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     d, m, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), b[:, 4:]
     return d * _nibbles(qs, 16).float() + m
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1: 4 bytes (a little-endian uint32) -> the 32 fifth bits, element i from bit i, as 16s."""
+    bits = (qh.reshape(-1, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=qh.device)) & 1
+    return bits.reshape(-1, 32) << 4
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d, qs = _f16(b[:, :2]), _nibbles(b[:, 6:], 16) | _high_bits(b[:, 2:6])
+    return d * (qs.to(torch.int8) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return d * (_nibbles(b[:, 8:], 16) | _high_bits(b[:, 4:8])).float() + m
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d[..., None] * q).reshape(n, _QK_K)
 
 
-_DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def dequantize(raw: torch.Tensor, qtype: GgufType, dtype: torch.dtype = torch.float32) -> torch.Tensor:
