@@ -8,12 +8,11 @@ segment when every part has the same type (one kernel call), else one per run of
 hold attn_v in Q6_K beside q and k in Q4_K), whose outputs are concatenated.
 
 Multiplying: on the CPU, the compiled kernels (``kernels.cpu`` ``cpu_gguf_linear``) read the blocks directly
-for up to their row bound, and larger batches dequantize each segment once per call (C) and run one GEMM;
-without the kernels (no compiler; CUDA) the torch definition dequantizes, then ``F.linear``.
+for batches up to ``KERNEL_ROWS``, and larger batches dequantize each segment once per call (C) and run one
+GEMM (no dequantized copy is kept: the memory stays the file's); without the kernels (no compiler; CUDA)
+the torch definition dequantizes, then ``F.linear``.
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,10 @@ from torch import nn
 from paged_runtime.layers.linear import LinearMethod
 from paged_runtime.layers.quantization.gguf_blocks import GgufType, dequantize, served_type
 
-logger = logging.getLogger(__name__)
+# Batches up to this many rows are multiplied from the blocks by the kernels (in passes of their row bound);
+# larger ones dequantize each segment once and run one GEMM, which wins once the GEMM's compute outweighs
+# re-streaming the blocks (benchmarks/gguf_kernels.py measures both).
+KERNEL_ROWS = 64
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -81,8 +83,11 @@ class GGUFLinearMethod(LinearMethod):
 
     def _multiply(self, x: torch.Tensor, raw: torch.Tensor, qtype: GgufType) -> torch.Tensor:
         k = x.shape[-1]
-        if self._kernels_serve(x) and len(x) <= self.kernels.gguf_max_rows():
-            return self.kernels.cpu_gguf_linear(x.contiguous(), raw, None, qtype.id, k)
+        if self._kernels_serve(x) and len(x) <= KERNEL_ROWS:
+            step = self.kernels.gguf_max_rows()  # rows per call: each call streams the blocks once
+            outs = [self.kernels.cpu_gguf_linear(x[i:i + step].contiguous(), raw, None, qtype.id, k)
+                    for i in range(0, len(x), step)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         return F.linear(x, self._dequantize(raw, qtype, k, x.dtype))
 
     def _kernels_serve(self, x: torch.Tensor) -> bool:
