@@ -19,7 +19,7 @@ ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_STRING_LENGTH = 512
 # --quantization: weights quantized at load (layers/quantization.NAMES, repeated here to keep this module light)
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gptq", "awq", "compressed-tensors")
 
 
 def _env_flag(name: str) -> bool | None:
@@ -39,7 +39,8 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"
     # Weight-only quantization at load, as vLLM's --quantization: "int8" (W8A16, per output channel), "int4"
-    # (W4A16, groups of 128, asymmetric); None / "none": the checkpoint's weights as they are.
+    # (W4A16, groups of 128, asymmetric), "fp8" (W8A8 float8_e4m3fn); None / "none": the checkpoint's weights
+    # as they are. A pre-quantized checkpoint's format ("gptq", "awq", "compressed-tensors") is used by itself.
     quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256

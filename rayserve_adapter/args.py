@@ -25,7 +25,7 @@ class AppArgs(BaseModel):
     served_model_name: str | list[str] | None = None
     tokenizer: str | None = None
     dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = "auto"
-    quantization: Literal["none", "int8", "int4"] | None = None  # weights quantized at load (--quantization)
+    quantization: Literal["none", "int8", "int4", "fp8", "gptq", "awq", "compressed-tensors"] | None = None  # --quantization
     device: str = "auto"
     max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=256, ge=1)

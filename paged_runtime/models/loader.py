@@ -25,7 +25,7 @@ from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.moe import FusedMoE
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
-from paged_runtime.layers.quantization import is_quantized, linear_method
+from paged_runtime.layers.quantization import checkpoint_quantization, is_quantized, linear_method
 from paged_runtime.utils.cpu import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": Lla
                  "MixtralForCausalLM": MixtralForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                  "OlmoeForCausalLM": OlmoeForCausalLM,
                  "Phi3ForCausalLM": Phi3ForCausalLM}
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
@@ -70,15 +71,17 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
                stage: PipelineStage = WHOLE, quantization: str | None = None) -> LlamaForCausalLM:
     """The model in ``folder`` with its weights; ``ops`` picks its arithmetic (default: plain PyTorch); ``tp``
     and ``stage`` the tensor-parallel shard and pipeline stage this rank holds (default: all of it);
-    ``quantization`` ("int8", "int4"; None or "none": as the checkpoint) quantizes the decoder layers' linear
-    weights once loaded."""
+    ``quantization`` ("int8", "int4", "fp8"; None or "none": as the checkpoint) quantizes the decoder layers'
+    linear weights once loaded; a pre-quantized checkpoint (GPTQ, AWQ, compressed-tensors) is served in its own
+    format."""
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights")
     ops = ops or TorchOps()
-    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage,
-                                               method=linear_method(quantization, ops))
+    quantization = _checkpoint_or_asked(config, quantization)
+    method = linear_method(quantization, ops, config.raw.get("quantization_config"))
+    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage, method=method)
     quantized = is_quantized(quantization)
     if quantized and any(isinstance(m, FusedMoE) for m in model.modules()):
         logger.info("--quantization %s: the MoE experts stay unquantized (%s)", quantization, config.architecture)
@@ -102,6 +105,22 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     if quantized and device.type == "cuda":
         torch.cuda.empty_cache()  # the freed full-precision weights: the KV budget measures free device memory
     return model.eval()
+
+
+def _checkpoint_or_asked(config: ModelConfig, asked: str | None) -> str | None:
+    """The quantization to serve: a pre-quantized checkpoint's own format (asking for another is an error),
+    else what was asked."""
+    own = checkpoint_quantization(config.raw)
+    if own is None:
+        return asked
+    if asked is not None and asked != own:
+        raise ValueError(f"the checkpoint is quantized as {own!r} (config.json quantization_config) but "
+                         f"quantization {asked!r} was asked; leave it unset or ask for {own!r}")
+    if config.architecture in MOE_ARCHITECTURES:
+        raise ValueError(f"pre-quantized {own} checkpoints of mixture-of-experts models ({config.architecture}) "
+                         "are not supported; supported: dense models (" + ", ".join(
+                             sorted(set(MODEL_CLASSES) - MOE_ARCHITECTURES)) + ")")
+    return own
 
 
 def load_tokenizer(folder: Path):

@@ -75,7 +75,7 @@ def test_quantized_models_hold_fewer_weight_bytes(engines):
 def test_a_bad_quantization_name_is_refused_with_the_choices(capsys):
     from paged_runtime.config import EngineConfig
     from paged_runtime.entrypoints.cli import build_parser
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4; got 'fp4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of none, int8, int4, .*; got 'fp4'"):
         EngineConfig(quantization="fp4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "fp4"])
