@@ -57,7 +57,8 @@ class Int4LinearMethod(WeightOnlyMethod):
     def quantize(self, layer: LinearBase, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.buffers(layer, *quantize_int4(weight, weight.dtype))
 
-    def buffers(self, layer: LinearBase, qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+    def buffers(self, layer: LinearBase, qweight: torch.Tensor,
+                scales_and_zeros: torch.Tensor) -> dict[str, torch.Tensor]:
         """The layer's buffers for a plainly packed ``qweight`` (pre-quantized checkpoints come in here too)."""
         # The CPU kernel's packing takes N in multiples of 16.
         layer.int4_kernel = self.kernel_applies(scales_and_zeros) and qweight.shape[0] % 16 == 0
