@@ -257,3 +257,26 @@ def test_a_contradicting_or_unsupported_quantization_is_refused(tiny128_dir, tmp
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'bitsandbytes'.*supported: gptq, awq, compressed-tensors"):
         make_llm(checkpoint)
+
+
+def test_a_gptq_checkpoint_runs_on_two_tensor_parallel_ranks(tmp_path, smollm2_dir):
+    """Each rank takes its shard of the packed tensors (a Llama of hidden 256: the row-parallel o_proj and
+    down_proj keep whole groups of 128 per rank); the tokens are one rank's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.25)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "src", safe_serialization=True)
+    copy_tokenizer(smollm2_dir, tmp_path / "src")
+    checkpoint, _ = packed_checkpoint(tmp_path / "src", tmp_path, "gptq")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        llm = make_llm(checkpoint, tensor_parallel_size=tp, max_model_len=128, kv_cache_memory=8 << 20,
+                       max_num_seqs=4)
+        try:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        finally:
+            llm.engine.core.shutdown()
+    assert tokens[0] == tokens[1]

@@ -346,3 +346,16 @@ def test_unsupported_compressed_tensors_schemes_are_refused_with_the_supported_o
     with pytest.raises(ValueError, match=message) as info:
         compressed_tensors_method(config)
     assert "W4A16" in str(info.value) or "ignores" in str(info.value)
+
+
+def test_families_that_cannot_load_packed_tensors_are_refused():
+    from paged_runtime.models.config import ModelConfig
+    from paged_runtime.models.loader import _checkpoint_or_asked
+    shape = {"vocab_size": 16, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "quantization_config": {"quant_method": "gptq"}}
+    for architecture, why in [("Phi3ForCausalLM", "fused in the checkpoint"), ("MixtralForCausalLM", "experts")]:
+        config = ModelConfig.from_dict({**shape, "architectures": [architecture]})
+        with pytest.raises(ValueError, match=f"gptq checkpoints of {architecture}.*{why}.*LlamaForCausalLM"):
+            _checkpoint_or_asked(config, None)
+    assert _checkpoint_or_asked(ModelConfig.from_dict({**shape, "architectures": ["Qwen3ForCausalLM"]}),
+                                "gptq") == "gptq"
