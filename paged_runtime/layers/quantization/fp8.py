@@ -75,7 +75,8 @@ def scaled_mm_works(qweight: torch.Tensor, weight_scale: torch.Tensor, dtype: to
 
 
 class Fp8LinearMethod(WeightOnlyMethod):
-    """``--quantization fp8``: quantized at load, per output channel (``per_channel=False``: per tensor)."""
+    """``--quantization fp8``: quantized at load, per output channel (``per_channel=False``: per tensor);
+    ``cpu_kernels=False`` keeps ``_scaled_mm`` out on every device (the dequantize path; tests use it)."""
 
     def __init__(self, per_channel: bool = True, cpu_kernels: bool = True) -> None:
         super().__init__(cpu_kernels)
