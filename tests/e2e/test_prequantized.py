@@ -141,7 +141,7 @@ def compressed_checkpoint(src: Path, out: Path, preset: str) -> tuple[Path, Path
     from transformers import AutoTokenizer, LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
     amax = input_amax(model, AutoTokenizer.from_pretrained(src).encode(" ".join(PROMPTS)))
-    if preset == "W8A16":  # per output channel, stored as int8 (the library's preset is now grouped and packed)
+    if preset.startswith("W8A16"):  # per output channel (the library's W8A16 preset is now grouped)
         scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int",
                                                                                  strategy="channel"))
     else:
@@ -165,11 +165,15 @@ def compressed_checkpoint(src: Path, out: Path, preset: str) -> tuple[Path, Path
             module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
         if hasattr(module, "input_scale"):
             module.input_scale.data.fill_(amax[name] / torch.finfo(torch.float8_e4m3fn).max)
+    # The library packs 8-bit integers into int32 by default; W8A16 is also written as plain int8.
     compressor = ModelCompressor.from_pretrained_model(model, "int-quantized" if preset == "W8A16" else None)
     compressor.compress_model(model)
     folder = out / preset
     model.save_pretrained(folder, safe_serialization=True)
     compressor.update_config(str(folder))
+    written = json.loads((folder / "config.json").read_text())["quantization_config"]["format"]
+    assert written == ("int-quantized" if preset == "W8A16" else "float-quantized" if preset.startswith("FP8")
+                       else "pack-quantized")
     copy_tokenizer(src, folder)
     compressor.decompress_model(model)
     names = load_file(src / "model.safetensors").keys()
@@ -192,6 +196,7 @@ FORMATS = {  # name -> (how it is made, its linear layers' bytes for [N, K] in f
     "W4A16": (compressed_checkpoint, int4_bytes),
     "W4A16_ASYM": (compressed_checkpoint, int4_bytes),
     "W8A16": (compressed_checkpoint, lambda n, k: n * k + 4 * n),
+    "W8A16_PACKED": (compressed_checkpoint, lambda n, k: n * k + 4 * n),
 }
 
 

@@ -212,11 +212,17 @@ def test_the_cpu_kernel_path_computes_the_same_product():
     assert torch.allclose(outs[0], outs[1], rtol=0.02, atol=0.02)
 
 
-def test_a_compressed_tensors_int8_layer_keeps_its_integers():
-    layer = RowParallelLinear(128, 48, False, compressed_tensors_method(ct_config("int", 8, "channel")), F32, CPU)
+@pytest.mark.parametrize("fmt", ["int-quantized", "pack-quantized"])
+def test_a_compressed_tensors_int8_layer_keeps_its_integers(fmt):
+    method = compressed_tensors_method(ct_config("int", 8, "channel", fmt))
+    layer = RowParallelLinear(128, 48, False, method, F32, CPU)
     q = torch.randint(-128, 128, (48, 128), generator=generator(9), dtype=torch.int8)
     scale = torch.rand(48, 1, generator=generator(10)) * 0.01
-    load(layer, {"weight": q, "weight_scale": scale})
+    if fmt == "pack-quantized":
+        helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+        load(layer, {"weight_packed": helpers.pack_to_int32(q, 8), "weight_scale": scale})
+    else:
+        load(layer, {"weight": q, "weight_scale": scale})
     layer.process_weights_after_loading()
     assert torch.equal(layer.qweight, q) and torch.equal(layer.scale, scale.view(-1))
     x = torch.randn(2, 128, generator=generator(11))

@@ -3,8 +3,9 @@
 Supported schemes (one config group targeting every ``Linear``; ``ignore`` may name only the LM head and
 embeddings, which are never quantized here):
 
-- W8A16 (``int-quantized`` / ``naive-quantized``, 8-bit int, symmetric, per channel): ``weight`` int8 [N, K],
-  ``weight_scale`` [N, 1]; served by the int8 method.
+- W8A16 (8-bit int, symmetric, per channel): ``int-quantized`` / ``naive-quantized`` ``weight`` int8 [N, K],
+  or ``pack-quantized`` ``weight_packed`` int32 [N, K / 4] (value q + 128 in bits 8i.. of word i // 4, what
+  the library writes by default); ``weight_scale`` [N, 1]. Served by the int8 method.
 - W4A16 (``pack-quantized``, 4-bit int, groups of 128, symmetric or asymmetric): ``weight_packed`` int32
   [N, K / 8] (value q + 8 in bits 4i.. of word i // 8), ``weight_scale`` [N, K / 128], ``weight_zero_point``
   int32 [N / 8, K / 128] (asymmetric only; zp + 8 packed likewise along N), ``weight_shape``; w = (q - zp) * s.
@@ -19,7 +20,7 @@ from paged_runtime.layers.quantization.fp8 import Fp8CheckpointMethod
 from paged_runtime.layers.quantization.prequantized import (CheckpointInt4Method, CheckpointInt8Method,
                                                              unpack_nibbles)
 
-SUPPORTED = ("W8A16 (int-quantized, int8 per channel, symmetric)",
+SUPPORTED = ("W8A16 (int-quantized or pack-quantized, int8 per channel, symmetric)",
              "W4A16 (pack-quantized, int4 group 128, symmetric or asymmetric)",
              "FP8 (float-quantized, float8 weights per tensor or channel; activations dynamic per token, "
              "static per tensor, or none)")
@@ -66,8 +67,8 @@ def compressed_tensors_method(config: dict) -> LinearMethod:
     plain = not weights.get("dynamic") and not weights.get("actorder")  # static weights in natural order
     if plain and kind == "int" and inputs is None:
         if (bits == 8 and strategy == "channel" and weights.get("symmetric")
-                and fmt in ("int-quantized", "naive-quantized")):
-            return CheckpointInt8Method()
+                and fmt in ("int-quantized", "naive-quantized", "pack-quantized")):
+            return CheckpointInt8Method(packed=fmt == "pack-quantized")
         if bits == 4 and strategy == "group" and weights.get("group_size") == 128 and fmt == "pack-quantized":
             return CompressedInt4Method(symmetric=bool(weights.get("symmetric")))
     elif (plain and kind == "float" and bits == 8 and strategy in ("tensor", "channel") and weights.get("symmetric")

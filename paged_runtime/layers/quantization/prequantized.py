@@ -46,6 +46,16 @@ def unpack_nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.reshape(words.shape[0], -1).to(torch.uint8)
 
 
+def unpack_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int8 values of int32 ``words`` [a, b] holding four 8-bit values each along dim 1, value i in bits
+    8i..8i+7 stored offset by 128 (compressed-tensors' 8-bit packing): [a, 4b]."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed 8-bit tensor must be int32, got {words.dtype}")
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
+    values = ((words[:, :, None] >> shifts) & 0xFF) - 128
+    return values.reshape(words.shape[0], -1).to(torch.int8)
+
+
 def transposed(convert: Callable[[torch.Tensor], torch.Tensor]) -> Convert:
     """A conversion for a [input, output]-oriented checkpoint tensor (GPTQ, AWQ)."""
     return lambda tensor, rows: convert(tensor).t().contiguous()
@@ -86,17 +96,23 @@ class CheckpointInt4Method(Int4LinearMethod):
 
 
 class CheckpointInt8Method(Int8LinearMethod):
-    """int8 codes with one scale per output channel: w = q * s (``weight`` int8 [N, K], ``weight_scale``)."""
+    """int8 codes with one scale per output channel: w = q * s (``weight`` int8 [N, K], or ``weight_packed``
+    int32 [N, K / 4] with ``packed``; ``weight_scale`` [N] or [N, 1])."""
+
+    def __init__(self, packed: bool = False, cpu_kernels: bool = True) -> None:
+        super().__init__(cpu_kernels)
+        self.codes = "weight_packed" if packed else "weight"
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
         layer.model_dtype = dtype
-        checkpoint_parameter(layer, "weight", (layer.output_size, layer.input_size), torch.int8, device,
-                             lambda tensor, rows: checked_dtype(tensor, torch.int8, "weight"))
+        convert = ((lambda tensor, rows: unpack_bytes(tensor)) if self.codes == "weight_packed" else
+                   (lambda tensor, rows: checked_dtype(tensor, torch.int8, "weight")))
+        checkpoint_parameter(layer, self.codes, (layer.output_size, layer.input_size), torch.int8, device, convert)
         checkpoint_parameter(layer, "weight_scale", (layer.output_size,), torch.float32, device,
                              lambda tensor, rows: tensor.reshape(-1).float())
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        qweight, scale = take(layer, "weight"), take(layer, "weight_scale")
+        qweight, scale = take(layer, self.codes), take(layer, "weight_scale")
         for name, tensor in self.buffers(layer, qweight, scale.to(layer.model_dtype)).items():
             layer.register_buffer(name, tensor)
 
