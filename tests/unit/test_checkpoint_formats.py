@@ -315,6 +315,8 @@ def test_the_checkpoint_format_is_read_from_config_json():
     assert checkpoint_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4}}) == "gptq"
     with pytest.raises(ValueError, match="'bitsandbytes'.*supported: gptq, awq, compressed-tensors"):
         checkpoint_quantization({"quantization_config": {"quant_method": "bitsandbytes"}})
+    ignore_head = {**ct_config("int", 4, "group"), "ignore": ["re:.*lm_head", "model.embed_tokens"]}
+    assert isinstance(compressed_tensors_method(ignore_head), CompressedInt4Method)
     config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
     assert isinstance(linear_method("awq", TorchOps(), config), AWQLinearMethod)
     with pytest.raises(ValueError, match="checkpoint format"):

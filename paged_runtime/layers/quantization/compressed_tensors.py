@@ -24,7 +24,7 @@ SUPPORTED = ("W8A16 (int-quantized or pack-quantized, int8 per channel, symmetri
              "W4A16 (pack-quantized, int4 group 128, symmetric or asymmetric)",
              "FP8 (float-quantized, float8 weights per tensor or channel; activations dynamic per token, "
              "static per tensor, or none)")
-UNQUANTIZED = ("lm_head", "embed_tokens", "model.embed_tokens")  # never quantized here: may be ignored
+UNQUANTIZED = ("lm_head", "embed_tokens")  # never quantized here: ``ignore`` may name them (plainly or by regex)
 
 
 class CompressedInt4Method(CheckpointInt4Method):
@@ -49,7 +49,7 @@ def compressed_tensors_method(config: dict) -> LinearMethod:
         if config.get(key):
             raise ValueError(f"compressed-tensors checkpoint with {key} is not supported; supported schemes: "
                              + "; ".join(SUPPORTED))
-    ignored = [name for name in config.get("ignore") or [] if name not in UNQUANTIZED]
+    ignored = [name for name in config.get("ignore") or [] if not any(part in name for part in UNQUANTIZED)]
     if ignored:
         raise ValueError(f"compressed-tensors checkpoint ignores {ignored[:3]}: per-module exceptions are not "
                          "supported; supported: every decoder linear layer quantized alike (ignore: lm_head)")
