@@ -26,8 +26,8 @@ from paged_runtime.layers.quantization.gptq import gptq_method
 from paged_runtime.layers.quantization.int4 import Int4LinearMethod
 from paged_runtime.layers.quantization.int8 import Int8LinearMethod
 
-METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod, "fp8": Fp8LinearMethod}  # fp8 also serves
-# compressed-tensors FP8 checkpoints
+# Quantized at load (fp8's method also serves compressed-tensors FP8 checkpoints)
+METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod, "fp8": Fp8LinearMethod}
 # Pre-quantized checkpoints: quant_method -> (its quantization_config -> the method; ValueError if unsupported)
 CHECKPOINT_FORMATS = {"gptq": gptq_method, "awq": awq_method, "compressed-tensors": compressed_tensors_method}
 # What ``EngineConfig.quantization`` accepts besides None (config.QUANTIZATIONS repeats it without imports).
