@@ -19,7 +19,7 @@ ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_STRING_LENGTH = 512
 # --quantization: weights quantized at load (layers/quantization.NAMES, repeated here to keep this module light)
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
 
 
 def _env_flag(name: str) -> bool | None:
@@ -38,9 +38,10 @@ class EngineConfig:
     model: str | None = None  # a Hugging Face folder, a .gguf file, or None for the embedded default
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"
-    # As vLLM's --quantization: "int8" (W8A16, per output channel) and "int4" (W4A16, groups of 128,
-    # asymmetric) quantize at load; "gguf" serves a .gguf model's own blocks; None: a quantized checkpoint
-    # (a .gguf) as it is, else plain weights; "none": plain weights (a .gguf dequantized at load).
+    # As vLLM's --quantization: "int8" (W8A16, per output channel), "int4" (W4A16, groups of 128, asymmetric)
+    # and "fp8" (W8A8 float8_e4m3fn) quantize at load; a quantized checkpoint's own format ("gguf": a .gguf's
+    # blocks; "gptq", "awq", "compressed-tensors": config.json's quantization_config) is used by itself (None);
+    # "none": plain weights (a .gguf dequantized at load).
     quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256

@@ -25,7 +25,8 @@ class AppArgs(BaseModel):
     served_model_name: str | list[str] | None = None
     tokenizer: str | None = None
     dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = "auto"
-    quantization: Literal["none", "int8", "int4", "gguf"] | None = None  # weights quantized at load (--quantization)
+    # weights quantized at load or the checkpoint's format (--quantization)
+    quantization: Literal["none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors"] | None = None
     device: str = "auto"
     max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=256, ge=1)

@@ -28,7 +28,8 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"  # read after the project's own variable
 # The parsers' names, spelled out so --help needs no import of the routes (tested against their registries).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # config.QUANTIZATIONS, without importing torch (tested equal)
+# config.QUANTIZATIONS, without importing torch (tested equal)
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -168,8 +169,10 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
     engine.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                         help="quantize the weights at load: int8 (W8A16, per output channel) or int4 (W4A16, "
-                             "groups of 128, asymmetric); gguf: a .gguf model's own blocks (its default); none: "
-                             "dequantize a quantized checkpoint; default: the checkpoint's weights as they are")
+                             "groups of 128, asymmetric) or fp8 (W8A8 float8_e4m3fn, per channel, activations per "
+                             "token, through torch._scaled_mm). Quantized checkpoints are served in their own format, "
+                             "detected: a .gguf's blocks (gguf), or config.json's gptq, awq, compressed-tensors "
+                             "(W8A16, W4A16, FP8); naming another format is an error; none dequantizes a .gguf")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--max-model-len", type=positive_int, default=None)
     engine.add_argument("--max-num-seqs", type=positive_int, default=256)

@@ -107,7 +107,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy one full-size checkpoint tensor's share into ``param``."""
-        _copy(param, loaded)
+        _copy(param, _from_checkpoint(param, loaded, self.output_size))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -118,6 +118,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, tp.split(output_size), bias, method, dtype, device, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        loaded = _from_checkpoint(param, loaded, param.shape[0] * self.tp.size)
         _copy(param, _shard(loaded, 0, self.tp.rank, param.shape[0], self.tp.size))
 
 
@@ -131,6 +132,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id]
+        loaded = _from_checkpoint(param, loaded, size * self.tp.size)
         part = param.narrow(0, sum(self.output_sizes[:shard_id]), size)
         _copy(part, _shard(loaded, 0, self.tp.rank, size, self.tp.size))
 
@@ -157,6 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         rank, num_ranks = self.tp.rank, self.tp.size
         if shard_id != "q":
             rank, num_ranks = rank // self.kv_replicas, num_ranks // self.kv_replicas
+        loaded = _from_checkpoint(param, loaded, size * num_ranks)
         _copy(param.narrow(0, offset, size), _shard(loaded, 0, rank, size, num_ranks))
 
 
@@ -175,10 +178,20 @@ class RowParallelLinear(LinearBase):
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        loaded = _from_checkpoint(param, loaded, self.output_size)
         if param.dim() == 1:  # the bias is whole on every rank
             _copy(param, loaded)
             return
         _copy(param, _shard(loaded, 1, self.tp.rank, param.shape[1], self.tp.size))
+
+
+def _from_checkpoint(param: nn.Parameter, loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint tensor in its parameter's orientation: output features along dim 0, input features (or
+    their groups) along dim 1. A pre-quantized format's method tags its parameters with ``from_checkpoint(
+    tensor, rows)`` (unpack int32 words, transpose, broadcast a per-tensor scale to ``rows``, the output
+    features this checkpoint tensor covers), so the loaders above shard and place every format alike."""
+    convert = getattr(param, "from_checkpoint", None)
+    return loaded if convert is None else convert(loaded, rows)
 
 
 def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int, num_ranks: int) -> torch.Tensor:

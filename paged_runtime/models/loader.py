@@ -26,7 +26,7 @@ from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.moe import FusedMoE
 from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
-from paged_runtime.layers.quantization import is_quantized, linear_method
+from paged_runtime.layers.quantization import CHECKPOINT_FORMATS, checkpoint_quantization, is_quantized, linear_method
 from paged_runtime.layers.quantization.gguf_blocks import SERVED
 from paged_runtime.utils.cpu import move_to_huge_pages
 
@@ -39,6 +39,11 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": Lla
                  "MixtralForCausalLM": MixtralForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                  "OlmoeForCausalLM": OlmoeForCausalLM,
                  "Phi3ForCausalLM": Phi3ForCausalLM}
+# Families whose pre-quantized checkpoints are refused, and why: experts load through FusedMoE, which has no
+# quantized method; Phi-3 splits its fused checkpoint tensors by rows, which packed layouts do not have.
+NOT_PREQUANTIZED = {"MixtralForCausalLM": "mixture of experts", "Qwen3MoeForCausalLM": "mixture of experts",
+                    "OlmoeForCausalLM": "mixture of experts",
+                    "Phi3ForCausalLM": "its q/k/v and gate/up come fused in the checkpoint"}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
@@ -79,9 +84,9 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights")
     ops = ops or TorchOps()
-    quantization = resolve_quantization(quantization, folder)
-    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage,
-                                               method=linear_method(quantization, ops, kernels))
+    quantization = resolve_quantization(quantization, folder, config)
+    method = linear_method(quantization, ops, config.raw.get("quantization_config"), kernels)
+    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage, method=method)
     quantized = is_quantized(quantization)
     if quantized and any(isinstance(m, FusedMoE) for m in model.modules()):
         logger.info("--quantization %s: the MoE experts stay unquantized (%s)", quantization, config.architecture)
@@ -114,28 +119,35 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
 GGUF_TYPES = Path("gguf") / "types.json"  # beside a converted GGUF's weights (models/gguf_convert.py)
 
 
-def checkpoint_quantization(folder: Path) -> str | None:
-    """The format the checkpoint's weights are stored in: "gguf" for a converted .gguf, None for plain."""
-    return "gguf" if (folder / GGUF_TYPES).is_file() else None
+def stored_quantization(folder: Path, config: ModelConfig) -> str | None:
+    """The format the checkpoint's weights are stored in: "gguf" for a converted .gguf, a pre-quantized
+    checkpoint's quant_method, None for plain weights."""
+    return "gguf" if (folder / GGUF_TYPES).is_file() else checkpoint_quantization(config.raw)
 
 
-def resolve_quantization(requested: str | None, folder: Path) -> str | None:
-    """The method to load ``folder`` with: the checkpoint's own format unless "none" asks for plain weights;
-    a quantize-at-load method for a plain checkpoint. ValueError where the two contradict."""
-    own = checkpoint_quantization(folder)
-    if requested == "none":
-        if own is not None:
-            logger.info("--quantization none: the %s checkpoint's weights are dequantized at load", own)
-        return None
+def resolve_quantization(asked: str | None, folder: Path, config: ModelConfig) -> str | None:
+    """The method to load ``folder`` with: the checkpoint's own format (nothing asked, or the same), plain
+    weights for "none" (a .gguf dequantized at load), a quantize-at-load method for a plain checkpoint.
+    ValueError where the two contradict."""
+    own = stored_quantization(folder, config)
     if own is None:
-        if requested in ("gguf",):
-            raise ValueError(f"--quantization {requested} needs a checkpoint in that format; {folder} holds plain "
-                             f"weights (quantize them at load with int8 or int4)")
-        return requested
-    if requested not in (None, own):
-        raise ValueError(f"{folder} is already quantized ({own}); --quantization {requested} contradicts it: "
-                         f"pass {own} (or nothing) to serve its own weights, or none to dequantize them")
-    _check_gguf_types(folder)
+        if asked == "gguf" or asked in CHECKPOINT_FORMATS:
+            raise ValueError(f"quantization {asked!r} is a checkpoint format; {folder} holds plain weights "
+                             f"(quantize them at load with int8, int4 or fp8)")
+        return asked
+    if asked == "none" and own == "gguf":
+        logger.info("--quantization none: the GGUF's blocks are dequantized at load")
+        return None
+    if asked is not None and asked != own:
+        dequantize = " or none to dequantize it" if own == "gguf" else ""
+        raise ValueError(f"the checkpoint is quantized as {own!r}; quantization {asked!r} contradicts it: leave it "
+                         f"unset or ask for {own!r}{dequantize}")
+    if own == "gguf":
+        _check_gguf_types(folder)
+    elif config.architecture in NOT_PREQUANTIZED:
+        raise ValueError(f"pre-quantized {own} checkpoints of {config.architecture} are not supported "
+                         f"({NOT_PREQUANTIZED[config.architecture]}); supported: "
+                         + ", ".join(sorted(set(MODEL_CLASSES) - set(NOT_PREQUANTIZED))))
     return own
 
 

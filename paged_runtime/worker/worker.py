@@ -25,7 +25,7 @@ from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.kernels import cpu as cpu_kernels
-from paged_runtime.models.loader import checkpoint_quantization, load_model
+from paged_runtime.models.loader import GGUF_TYPES, load_model
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.worker.kv_budget import bytes_per_block, free_memory, num_kv_blocks
 from paged_runtime.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -106,7 +106,7 @@ class Worker:
         """The compiled CPU kernels for a GGUF served as blocks (they multiply blocks on any x86 CPU, AVX-512
         or not), unless compiled kernels are switched off; None elsewhere."""
         config = self.spec.config
-        if (self.device.type != "cpu" or config.quantization == "none" or checkpoint_quantization(path) != "gguf"
+        if (self.device.type != "cpu" or config.quantization == "none" or not (path / GGUF_TYPES).is_file()
                 or config.cpu_kernels is False or config.enforce_eager):
             return None
         if cpu_kernels.load(str(config.cache_dir)):

@@ -92,15 +92,15 @@ def test_quantized_models_hold_fewer_weight_bytes(engines):
 def test_a_bad_quantization_name_is_refused_with_the_choices(capsys, smollm2_dir, tiny_llama_dir):
     from paged_runtime.config import EngineConfig
     from paged_runtime.entrypoints.cli import build_parser
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, .*got 'fp4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of none, int8, int4, .*; got 'fp4'"):
         EngineConfig(quantization="fp4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "fp4"])
     err = capsys.readouterr().err
     assert "invalid choice: 'fp4'" in err and all(f"'{name}'" in err for name in ("none", "int8", "int4")), err
-    with pytest.raises(ValueError, match="already quantized \\(gguf\\); --quantization int8 contradicts it"):
+    with pytest.raises(ValueError, match="quantized as 'gguf'; quantization 'int8' contradicts it"):
         LLM(str(smollm2_dir), quantization="int8")
-    with pytest.raises(ValueError, match="--quantization gguf needs a checkpoint in that format"):
+    with pytest.raises(ValueError, match="quantization 'gguf' is a checkpoint format"):
         LLM(str(tiny_llama_dir), quantization="gguf")
 
 

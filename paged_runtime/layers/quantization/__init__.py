@@ -1,7 +1,7 @@
-"""Quantized weights: a ``LinearMethod`` per format. ``int8`` / ``int4`` quantize at load; ``gguf`` serves a
-GGUF file's own blocks (``gguf.py``; the checkpoint decides it, see ``models/loader``).
-
-Quantizing at load (``--quantization int8 | int4``):
+"""Quantized weights: a ``LinearMethod`` per format. Quantized at load: ``--quantization int8 | int4 | fp8``;
+a checkpoint's own format: a GGUF file's blocks (``gguf.py``), pre-quantized Hugging Face checkpoints (GPTQ, AWQ,
+compressed-tensors: ``CHECKPOINT_FORMATS``, read from their ``config.json``'s ``quantization_config``,
+``checkpoint_quantization``). ``models/loader`` decides which.
 
 Each method registers a full-precision ``weight`` like the unquantized one, so the layers' sharded
 ``weight_loader``s place checkpoint tensors unchanged (tensor parallelism included: each rank quantizes its
@@ -20,29 +20,57 @@ import torch
 
 from paged_runtime.layers.linear import LinearMethod, UnquantizedLinearMethod
 from paged_runtime.layers.ops import TorchOps
+from paged_runtime.layers.quantization.awq import awq_method
+from paged_runtime.layers.quantization.compressed_tensors import compressed_tensors_method
+from paged_runtime.layers.quantization.fp8 import Fp8LinearMethod
 from paged_runtime.layers.quantization.gguf import GGUFLinearMethod
+from paged_runtime.layers.quantization.gptq import gptq_method
 from paged_runtime.layers.quantization.int4 import Int4LinearMethod
 from paged_runtime.layers.quantization.int8 import Int8LinearMethod
 
-METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod, "gguf": GGUFLinearMethod}
-# What ``EngineConfig.quantization`` accepts besides None (config.QUANTIZATIONS repeats it without imports).
-NAMES = ("none", *METHODS)
-# Formats a checkpoint brings (the others quantize at load).
-CHECKPOINT_FORMATS = ("gguf",)
+# Quantized at load (fp8's method also serves compressed-tensors FP8 checkpoints)
+METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod, "fp8": Fp8LinearMethod}
+# Pre-quantized checkpoints: quant_method -> (its quantization_config -> the method; ValueError if unsupported)
+CHECKPOINT_FORMATS = {"gptq": gptq_method, "awq": awq_method, "compressed-tensors": compressed_tensors_method}
+# What ``EngineConfig.quantization`` accepts besides None (config.QUANTIZATIONS repeats it without imports);
+# "gguf" is a converted .gguf's blocks (models/gguf_convert.py writes them beside the dequantized weights).
+NAMES = ("none", *METHODS, "gguf", *CHECKPOINT_FORMATS)
 
 
 def is_quantized(name: str | None) -> bool:
     return name not in (None, "none")
 
 
-def linear_method(name: str | None, ops: TorchOps, kernels=None) -> LinearMethod:
-    """The method for ``--quantization name`` (None or "none": plain weights multiplied by ``ops``);
-    ``kernels``: the compiled CPU kernels module where it loaded (the GGUF method multiplies with it)."""
+def checkpoint_quantization(config_json: dict) -> str | None:
+    """The pre-quantized format of a checkpoint by its ``config.json`` (None: plain weights); a format not
+    served here is refused, named, with the supported ones."""
+    config = config_json.get("quantization_config")
+    if not config:
+        return None
+    name = config.get("quant_method")
+    if name not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint quantization {name!r} (config.json quantization_config.quant_method) is not "
+                         f"supported; supported: {', '.join(CHECKPOINT_FORMATS)}")
+    return name
+
+
+def linear_method(name: str | None, ops: TorchOps, quantization_config: dict | None = None,
+                  kernels=None) -> LinearMethod:
+    """The method for ``--quantization name`` (None or "none": plain weights multiplied by ``ops``); a
+    pre-quantized checkpoint's format is built from its ``quantization_config``; ``kernels``: the compiled CPU
+    kernels module where it loaded (the GGUF method multiplies with it)."""
     if not is_quantized(name):
         return UnquantizedLinearMethod(ops)
+    if name in CHECKPOINT_FORMATS:
+        if quantization_config is None:
+            raise ValueError(f"quantization {name!r} is a checkpoint format: the checkpoint's config.json must "
+                             "have a quantization_config with that quant_method")
+        return CHECKPOINT_FORMATS[name](quantization_config)
+    if name == "gguf":
+        return GGUFLinearMethod(kernels)
     if name not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(NAMES)}; got {name!r}")
-    return GGUFLinearMethod(kernels) if name == "gguf" else METHODS[name]()
+    return METHODS[name]()
 
 
 def resident_bytes(module: torch.nn.Module) -> int:

@@ -55,9 +55,13 @@ def dequantize_int4(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, in_fe
 
 class Int4LinearMethod(WeightOnlyMethod):
     def quantize(self, layer: LinearBase, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        qweight, scales_and_zeros = quantize_int4(weight, weight.dtype)
+        return self.buffers(layer, *quantize_int4(weight, weight.dtype))
+
+    def buffers(self, layer: LinearBase, qweight: torch.Tensor,
+                scales_and_zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer's buffers for a plainly packed ``qweight`` (pre-quantized checkpoints come in here too)."""
         # The CPU kernel's packing takes N in multiples of 16.
-        layer.int4_kernel = self.kernel_applies(weight) and weight.shape[0] % 16 == 0
+        layer.int4_kernel = self.kernel_applies(scales_and_zeros) and qweight.shape[0] % 16 == 0
         if layer.int4_kernel:
             qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).to(torch.int32), 2)
         return {"qweight": qweight, "scales_and_zeros": scales_and_zeros}

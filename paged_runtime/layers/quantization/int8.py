@@ -28,9 +28,12 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 class Int8LinearMethod(WeightOnlyMethod):
     def quantize(self, layer: LinearBase, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        qweight, scale = quantize_int8(weight, weight.dtype)
+        return self.buffers(layer, *quantize_int8(weight, weight.dtype))
+
+    def buffers(self, layer: LinearBase, qweight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer's buffers (pre-quantized checkpoints come in here too)."""
         # _weight_int8pack_mm loads 16 activations (bf16) at a time with aligned loads and has no tail loop.
-        layer.int8_kernel = self.kernel_applies(weight) and weight.shape[1] % 16 == 0
+        layer.int8_kernel = self.kernel_applies(scale) and qweight.shape[1] % 16 == 0
         return {"qweight": qweight, "scale": scale}
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
