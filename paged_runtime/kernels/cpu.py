@@ -25,7 +25,10 @@ ctypes is the loader; the ops registered here are the boundary the model calls
 ~22 us a call here, the former ~4 (measured), and a decode step makes 30 of them.
 
 Every op takes contiguous CPU tensors of one dtype (float32 or bfloat16), index
-tensors int64; see the C file for each kernel's numerics. The C file's constants
+tensors int64; see the C file for each kernel's numerics. The GGUF ops
+(``cpu_gguf_linear``, ``cpu_gguf_dequantize``) also take a weight as its GGUF bytes
+(uint8 [N, row bytes], ggml type ids from ``gguf_types``); their vector paths need
+AVX2, not AVX-512. The C file's constants
 and struct sizes are read from the library (``pr_abi``), never restated here.
 """
 from __future__ import annotations

@@ -888,8 +888,8 @@ static inline __attribute__((always_inline)) __m256i gguf_q_avx2(const uint8_t *
     }
 }
 
-/* Run r (run s of the block at p) against G rows of x: acc[g] += the run's scaled integer dot, macc[g] +=
- * its min term. */
+/* Run r (run s of the block at p) against G rows of x, on its own (a row's last runs % 8): acc[g] += the
+ * run's scaled integer dot, macc[g] += its min term. */
 static inline __attribute__((always_inline)) void gguf_run_avx2(const uint8_t *p, int s, int64_t r, const int qt,
                                                                 const int8_t *xq, const float *xd, const float *xs,
                                                                 int64_t K, int64_t runs, const int G, __m256 *acc,
