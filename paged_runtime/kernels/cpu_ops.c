@@ -938,9 +938,9 @@ static inline __attribute__((always_inline)) void gguf_scales8(const uint8_t *ro
 }
 
 /* Q6_K run s's two int8 scales, each repeated over its half of a madd_epi16's 16 lanes. */
-static inline __m256i gguf_q6k_scale16(const uint8_t *p, int s) {
-    const int8_t *sc = (const int8_t *)(p + 192) + (s / 4) * 8 + (s % 4) * 2;
-    return _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+static inline __m256i gguf_q6k_scale16(const uint8_t *p, int s) { /* run s has scales 2 s and 2 s + 1 */
+    __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * s + 1), 0x0101010101010101LL * (2 * s));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 192)), pick));
 }
 
 /* Run s of the block at p against x's 32 int8 at x: 8 int32 partial dots (Q6_K's per-16 scales applied). */
