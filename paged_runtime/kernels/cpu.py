@@ -25,7 +25,10 @@ ctypes is the loader; the ops registered here are the boundary the model calls
 ~22 us a call here, the former ~4 (measured), and a decode step makes 30 of them.
 
 Every op takes contiguous CPU tensors of one dtype (float32 or bfloat16), index
-tensors int64; see the C file for each kernel's numerics. The C file's constants
+tensors int64; see the C file for each kernel's numerics. The GGUF ops
+(``cpu_gguf_linear``, ``cpu_gguf_dequantize``) also take a weight as its GGUF bytes
+(uint8 [N, row bytes], ggml type ids from ``gguf_types``); their vector paths need
+AVX2, not AVX-512. The C file's constants
 and struct sizes are read from the library (``pr_abi``), never restated here.
 """
 from __future__ import annotations
@@ -94,6 +97,7 @@ class _Loaded:
     """The one library this process loaded (a shared library is process-wide by nature)."""
     lib: ctypes.CDLL | None = None
     max_rows: int = 0
+    gguf_max_rows: int = 0
 
 
 # ---- build and load --------------------------------------------------------------------------------
@@ -407,7 +411,9 @@ def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Te
 # ---- GGUF block-quantized weights ---------------------------------------------------------------------
 def gguf_max_rows() -> int:
     """Most rows of x ``cpu_gguf_linear`` takes in one call (GGUF_MAX_ROWS in the C file)."""
-    return int(_lib().pr_gguf_abi(0))
+    if not _Loaded.gguf_max_rows:  # read once: the ops check it at every call
+        _Loaded.gguf_max_rows = int(_lib().pr_gguf_abi(0))
+    return _Loaded.gguf_max_rows
 
 
 def gguf_has_vector_paths() -> bool:
@@ -420,9 +426,12 @@ def gguf_force_scalar(on: bool) -> None:
     _lib().pr_gguf_force_scalar(int(on))
 
 
+_gguf_row_bytes = functools.lru_cache(maxsize=256)(gguf_types.row_bytes)  # a few us a call saved
+
+
 def _gguf_weight(weight: torch.Tensor, qtype: int, k: int) -> None:
     """Raise unless ``weight`` is a contiguous uint8 [N, row_bytes(qtype, k)] tensor (the C code reads it raw)."""
-    expected = gguf_types.row_bytes(qtype, k)  # raises for an unknown type or a k that is not whole blocks
+    expected = _gguf_row_bytes(qtype, k)  # raises for an unknown type or a k that is not whole blocks
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != expected or not weight.is_contiguous():
         raise ValueError(f"a {gguf_types.gguf_type(qtype).name} weight of {k} inputs per row must be a contiguous "
                          f"uint8 [N, {expected}] tensor, not {weight.dtype} {list(weight.shape)}")

@@ -1,0 +1,127 @@
+"""The GGUF block kernels (``cpu_gguf_linear``) against bfloat16 ``F.linear`` on SmolLM2-135M's shapes.
+
+What it measures
+    For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, LM
+    head 49152x576; N x K) and M = 1 and 16 rows of bfloat16 activations: milliseconds per call and the
+    weight bytes streamed per second, for the GGUF types Q4_1, Q8_0, Q4_K, Q6_K and for a bfloat16 weight
+    through ``F.linear``, all in the same run with torch on 2 threads. Each call reads a different copy of
+    the weight (enough copies for 64 MiB) so the weights come from memory, not from the caches, as in a
+    decode step over a whole model. K-quants need K a multiple of 256: 576 is not (n/a), as in llama.cpp.
+    Best of ``--repeats`` timings of ``--calls`` calls each. Also ``cpu_gguf_dequantize`` of each weight to
+    bfloat16 (the large-batch path dequantizes, then runs one GEMM), as ms and GB/s of weight bytes read.
+
+How to run
+    PYTHONPATH=. .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine
+
+Writes benchmarks/results/gguf-kernels-cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import machine_info, others_busy_cores  # noqa: E402
+
+from paged_runtime.config import default_cache_dir  # noqa: E402
+from paged_runtime.kernels import cpu  # noqa: E402
+from paged_runtime.kernels.gguf_types import GGUF_TYPES, row_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q6_K")
+STREAM_BYTES = 64 << 20  # copies of a weight cycled through: more than the last-level cache
+
+
+def gguf_weight(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes with every fp16 scale field a small finite value (the kernels' speed ignores values)."""
+    t = GGUF_TYPES[name]
+    raw = torch.randint(0, 256, (n, row_bytes(t, k)), dtype=torch.uint8, generator=gen)
+    blocks = raw.view(n, k // t.block_elems, t.block_bytes)
+    scale = torch.full(blocks.shape[:2], 0.01, dtype=torch.float16).view(torch.uint8).view(*blocks.shape[:2], 2)
+    for offset in (208,) if name == "Q6_K" else (0, 2):
+        blocks[:, :, offset:offset + 2] = scale
+    return raw
+
+
+def best_ms(fn, weights: list, calls: int, repeats: int) -> float:
+    for w in weights[:2]:
+        fn(w)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def copies(one: torch.Tensor) -> list[torch.Tensor]:
+    count = max(1, -(-STREAM_BYTES // (one.numel() * one.element_size())))
+    return [one] + [one.clone() for _ in range(count - 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf-kernels-cpu.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu.load(default_cache_dir()):
+        sys.exit("the CPU kernels did not build (no C compiler?)")
+    busy_before = others_busy_cores()
+    gen = torch.Generator().manual_seed(0)
+    rows, table, dequant = [], [], []
+    for shape, (n, k) in SHAPES.items():
+        for m in (1, 16):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            dense = torch.randn(n, k, generator=gen).bfloat16()
+            cells = {"bf16": (best_ms(lambda w: F.linear(x, w), copies(dense), args.calls, args.repeats),
+                              dense.numel() * 2)}
+            for name in TYPES:
+                if k % GGUF_TYPES[name].block_elems:
+                    cells[name] = (None, None)
+                    continue
+                w, qtype = gguf_weight(name, n, k, gen), GGUF_TYPES[name].id
+                ms = best_ms(lambda w: cpu.cpu_gguf_linear(x, w, None, qtype, k), copies(w), args.calls, args.repeats)
+                cells[name] = (ms, w.numel())
+                if m == 1:
+                    ms = best_ms(lambda w: cpu.cpu_gguf_dequantize(w, qtype, k, torch.bfloat16), copies(w),
+                                 max(2, args.calls // 4), args.repeats)
+                    dequant.append({"shape": shape, "n": n, "k": k, "method": name, "ms": ms, "weight_bytes": w.numel(),
+                                    "gb_s": w.numel() / ms / 1e6})
+            for method, (ms, nbytes) in cells.items():
+                rows.append({"shape": shape, "n": n, "k": k, "m": m, "method": method, "ms": ms,
+                             "weight_bytes": nbytes, "gb_s": None if ms is None else nbytes / ms / 1e6})
+            table.append((shape, n, k, m, cells))
+    result = {"machine": machine_info(), "threads": args.threads, "others_busy_cores": (busy_before, others_busy_cores()),
+              "load_average": os.getloadavg(), "gguf_vector_paths": cpu.gguf_has_vector_paths(), "rows": rows,
+              "dequantize_bf16": dequant}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    methods = ("bf16", *TYPES)
+    print(f"{'shape':9}{'N x K':>12}{'M':>4}  " + "".join(f"{m + ' ms  GB/s':>17}" for m in methods))
+    for shape, n, k, m, cells in table:
+        line = f"{shape:9}{f'{n}x{k}':>12}{m:>4}  "
+        for method in methods:
+            ms, nbytes = cells[method]
+            line += f"{'n/a':>17}" if ms is None else f"{ms:9.3f}{nbytes / ms / 1e6:8.1f}"
+        print(line)
+    print("\ncpu_gguf_dequantize to bfloat16: ms (GB/s of weight bytes)")
+    for d in dequant:
+        size = f"{d['n']}x{d['k']}"
+        print(f"{d['shape']:9}{size:>12}  {d['method']:5}{d['ms']:9.3f}{d['gb_s']:8.1f}")
+    print(f"others busy cores before/after: {result['others_busy_cores']}, load {result['load_average']}")
+
+
+if __name__ == "__main__":
+    main()
