@@ -22,13 +22,11 @@ PROMPTS = ["The capital of France is", "A lighthouse keeper's work began", "def 
 
 @pytest.fixture(scope="module")
 def engines(smollm2_dir, smollm2_plain_dir):
-    """int8 / int4 quantize the plain (dequantized) checkpoint at load; gguf serves the file's blocks, in steps
-    of 16 tokens, so that every product is the CPU kernels' (larger batches dequantize and run one GEMM)."""
-    def make(mode):
-        chunked = {"max_num_batched_tokens": 16} if mode == "gguf" else {}
-        return LLM(str(smollm2_dir if mode == "gguf" else smollm2_plain_dir), dtype="bfloat16", quantization=mode,
-                   max_model_len=1024, kv_cache_memory=64 << 20, seed=0, **chunked)
-    engines = {mode: make(mode) for mode in MODES}
+    """int8 / int4 quantize the plain (dequantized) checkpoint at load; gguf serves the file's blocks (in
+    bfloat16 every product is the CPU kernels')."""
+    engines = {mode: LLM(str(smollm2_dir if mode == "gguf" else smollm2_plain_dir), dtype="bfloat16",
+                         quantization=mode, max_model_len=1024, kv_cache_memory=64 << 20, seed=0)
+               for mode in MODES}
     yield engines
     for llm in engines.values():
         llm.engine.core.shutdown()

@@ -2,15 +2,15 @@
 embedding and the LM head.
 
 A layer's checkpoint tensors are ``qweight`` (uint8 ``[rows, row_bytes]``, the file's blocks) and
-``qweight_type`` (int64 ``[rows]``: each row's GGMLQuantizationType id), one pair per part of a fused matrix (q / k / v,
-gate / up). Parts arrive in any order; ``process_weights_after_loading`` joins them into segments: one
+``qweight_type`` (int64 ``[rows]``: each row's GGMLQuantizationType id), one pair per part of a fused matrix
+(q / k / v, gate / up). Parts arrive in any order; ``process_weights_after_loading`` joins them into segments: one
 segment when every part has the same type (one kernel call), else one per run of equal types (Q4_K_M files
 hold attn_v in Q6_K beside q and k in Q4_K), whose outputs are concatenated.
 
 Multiplying: on the CPU, the compiled kernels (``kernels.cpu`` ``cpu_gguf_linear``) read the blocks directly
-for batches up to ``KERNEL_ROWS``, and larger batches dequantize each segment once per call (C) and run one
-GEMM (no dequantized copy is kept: the memory stays the file's); without the kernels (no compiler; CUDA)
-the torch definition dequantizes, then ``F.linear``.
+(in passes of their row bound) for batches up to ``KERNEL_ROWS`` (by dtype), and larger batches dequantize
+each segment once per call (C) and run one GEMM (no dequantized copy is kept: the memory stays the file's);
+without the kernels (no compiler; CUDA) the torch definition dequantizes, then ``F.linear``.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from torch import nn
 from paged_runtime.layers.linear import LinearMethod
 from paged_runtime.layers.quantization.gguf_blocks import GgufType, dequantize, served_type
 
-# Batches up to this many rows are multiplied from the blocks by the kernels (in passes of their row bound);
-# larger ones dequantize each segment once and run one GEMM, which wins once the GEMM's compute outweighs
-# re-streaming the blocks (benchmarks/gguf_kernels.py measures both).
-KERNEL_ROWS = 64
-
+# The most rows the kernels multiply (in passes of their row bound) before dequantizing each segment and one
+# GEMM take over, by activation dtype. Measured on a 2-core AMD EPYC without AVX-512 (1536 x 576 Q4_1, one
+# thread): float32 GEMM is fast, so dequantize + GEMM wins from ~32 rows; torch's bfloat16 GEMM there has no
+# native bf16 arithmetic and the kernels stay 3-6x faster at every size measured (16 to 512 rows).
+KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: None}  # None: every batch
 
 class GGUFLinearMethod(LinearMethod):
     """``kernels``: the compiled CPU ops (``paged_runtime.kernels.cpu``) when they loaded, else None."""
@@ -83,15 +83,18 @@ class GGUFLinearMethod(LinearMethod):
 
     def _multiply(self, x: torch.Tensor, raw: torch.Tensor, qtype: GgufType) -> torch.Tensor:
         k = x.shape[-1]
-        if self._kernels_serve(x) and len(x) <= KERNEL_ROWS:
+        if self._kernels_take(x):
             step = self.kernels.gguf_max_rows()  # rows per call: each call streams the blocks once
             outs = [self.kernels.cpu_gguf_linear(x[i:i + step].contiguous(), raw, None, qtype.id, k)
                     for i in range(0, len(x), step)]
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         return F.linear(x, self._dequantize(raw, qtype, k, x.dtype))
 
-    def _kernels_serve(self, x: torch.Tensor) -> bool:
-        return self.kernels is not None and x.device.type == "cpu" and x.dtype in self.kernels.DTYPES
+    def _kernels_take(self, x: torch.Tensor) -> bool:
+        if self.kernels is None or x.device.type != "cpu" or x.dtype not in KERNEL_ROWS:
+            return False
+        most = KERNEL_ROWS[x.dtype]
+        return most is None or len(x) <= most
 
     def _dequantize(self, raw: torch.Tensor, qtype: GgufType, k: int, dtype: torch.dtype) -> torch.Tensor:
         if self.kernels is not None and raw.device.type == "cpu" and dtype in self.kernels.DTYPES:
