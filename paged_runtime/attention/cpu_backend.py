@@ -36,9 +36,10 @@ class DecodeRows:
         return self.context_lens.shape[0]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         return cpu_kernels.cpu_paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens,
-                                                      self.block_size, scale, window or 0, softcap or 0.)
+                                                      self.block_size, scale, window or 0, softcap or 0.,
+                                                      kv_scale)
 
 
 @dataclass(slots=True)

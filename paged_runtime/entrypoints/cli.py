@@ -29,6 +29,7 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"  # read after the project's own variable
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 QUANTIZATIONS = ("none", "int8", "int4")  # config.QUANTIZATIONS, without importing torch (tested equal)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")  # config.KV_CACHE_DTYPES, likewise (tested equal)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -169,6 +170,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
     engine.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                         help="quantize the weights at load: int8 (W8A16, per output channel) or int4 (W4A16, "
                              "groups of 128, asymmetric); default: the checkpoint's weights as they are")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the paged KV cache's elements: auto (the model's dtype), fp8 / fp8_e4m3 "
+                             "(float8_e4m3fn, per-tensor scales), int8 (per token and head scales)")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--max-model-len", type=positive_int, default=None)
     engine.add_argument("--max-num-seqs", type=positive_int, default=256)
