@@ -26,13 +26,25 @@ _ROUND_MAGIC = 12582912.0
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, so the fp8 cast that follows is
+    exact (the interpreter's own cast drops a carry into the exponent: 0.49 became 0.25). Normals keep 3
+    mantissa bits (round at bit 20 of the fp32 pattern); below 2^-6 (subnormals) steps of 2^-9."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = ((tl.abs(x) * 512.0 + _ROUND_MAGIC) - _ROUND_MAGIC) / 512.0
+    subnormal = tl.where(x < 0, -subnormal, subnormal)  # keeps the sign of a zero, as torch's cast
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _quantize(x, scale_ptr, slot, stride_s_slot, stride_s_kv, KV: tl.constexpr, head, head_ok,
               QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     """x [HEADS_P, HEAD_DIM_P] (K if KV == 0, else V) in the cache's terms; int8 also stores its scales."""
     x = x.to(tl.float32)
     if QUANT == 1:  # fp8: per-tensor scale
         x = x / tl.load(scale_ptr + KV)
-        return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        return _round_to_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     scale = tl.max(tl.abs(x), axis=1) / 127.0  # int8: per head
     tl.store(scale_ptr + slot * stride_s_slot + KV * stride_s_kv + head, scale, mask=head_ok)
     safe = tl.where(scale > 0, scale, 1.0)
