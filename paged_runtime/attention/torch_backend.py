@@ -158,10 +158,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         kv_quant.store(k, v, kv_cache, kv_scale, meta.slot_mapping)
     else:
         kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
+    read_scale, fp8 = kv_scale, kv_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        # Per-tensor scales factor out of attention: q . (k_scale k) = (k_scale q) . k, and the output is
+        # v_scale times the one over the raw values. The context is then read with one cast (e4m3 is exact in
+        # any float dtype) instead of a dequantizing pass; with vLLM's default scales 1 nothing changes.
+        q, read_scale = (q.float() * kv_scale[0]).to(q.dtype), None
     out = torch.empty_like(q)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)
-        out[rows] = group.attend(q[rows], kv_cache, scale, window, softcap, kv_scale)
+        out[rows] = group.attend(q[rows], kv_cache, scale, window, softcap, read_scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         mask = chunk.window_mask(window, q.device)
@@ -169,9 +175,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             out[rows] = _attend(q[rows], k[rows], v[rows], mask, scale, softcap)
         else:
             slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots
-            context = kv_quant.gather(kv_cache, kv_scale, slots, q.dtype)
+            context = kv_quant.gather(kv_cache, read_scale, slots, q.dtype)
             out[rows] = _attend(q[rows], context[:, 0], context[:, 1], mask, scale, softcap)
-    return out
+    return (out.float() * kv_scale[1]).to(out.dtype) if fp8 else out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -35,7 +35,8 @@ batch shape). A program finds its sequence by binary search over ``query_start_l
 
 An 8-bit cache (``QUANT``: 1 fp8 with per-tensor (k_scale, v_scale), 2 int8 with a
 ``[num_slots, 2, Hkv]`` float32 scale per key and value row; ``kernels.kv_quant``) is read back as
-value * scale in fp32, rounded to q's dtype, so the dots see what the torch backend's gather gives.
+value * scale in fp32 (int8: the scale rounded to q's dtype first), rounded to q's dtype: what the
+torch backend's gather gives.
 
 Each program runs an online softmax in fp32 over its keys in tiles of TILE_N keys (a tile
 may span several cache blocks: each key looks up its own block id). Scores are kept
@@ -221,6 +222,9 @@ def _paged_attention_kernel(
             scale_row = kv_scale_ptr + slot * stride_s_slot + kv_head
             k_scale = tl.load(scale_row, mask=key_ok, other=0.0)
             v_scale = tl.load(scale_row + stride_s_kv, mask=key_ok, other=0.0)
+            # The scale rounded to q's dtype first, as kv_quant.dequantize (int8 times it is exact in fp32).
+            k_scale = k_scale.to(q_ptr.dtype.element_ty).to(tl.float32)
+            v_scale = v_scale.to(q_ptr.dtype.element_ty).to(tl.float32)
             k = (k.to(tl.float32) * k_scale[:, None]).to(q_ptr.dtype.element_ty)
             v = (v.to(tl.float32) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2

@@ -392,7 +392,7 @@ static inline const void *kv_row(const Paged *P, const void *kv_cache, int64_t s
         for (int64_t i = 0; i < dim; i++) tmp[i] = rnd(e4m3_to_f32(src[i]) * P->kv_scale[kv], dt);
     } else {
         const int8_t *src = (const int8_t *)kv_cache + at;
-        float s = P->kv_scale[(slot * 2 + kv) * P->kv_heads + g];
+        float s = rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt); /* as kv_quant.dequantize */
         for (int64_t i = 0; i < dim; i++) tmp[i] = rnd((float)src[i] * s, dt);
     }
     return tmp;

@@ -8,7 +8,9 @@ value at ``[slot, 1]``) in an 8-bit dtype; each layer's ``kv_scale`` says how to
   saturated to +-448 (e4m3's largest finite), rounded to nearest even; read: value * scale.
 - ``int8``: symmetric per token and KV head: ``kv_scale`` float32 ``[num_slots, 2, num_kv_heads]`` beside the
   values (absmax / 127 of that head's row); stored: round(x / scale) (nearest even, in [-127, 127]); read:
-  value * scale, so |x - read| <= scale / 2. An all-zero row has scale 0 and reads back 0.
+  value * scale, so |x - read| <= scale / 2. An all-zero row has scale 0 and reads back 0. Read in a
+  model dtype narrower than float32, the scale is first rounded to that dtype (value times it is then exact
+  in float32, rounded once to the dtype): two cheap passes over the context instead of three in float32.
 - ``auto``: the model's dtype, ``kv_scale`` None (no conversion).
 
 Arithmetic in float32 from the K/V as the model produced them (so the C kernels and Triton, which do the
@@ -93,16 +95,19 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor | None, dtype: torch.d
     rows' own ``[..., 2, Hkv]``."""
     if values.dtype == torch.float8_e4m3fn:
         return (values.float() * scales.view(2, 1, 1)).to(dtype)
-    if values.dtype == torch.int8:
-        return (values.float() * scales[..., None]).to(dtype)
+    if values.dtype == torch.int8:  # an int8 value is exact in any float dtype; scales rounded to it first
+        return values.to(dtype) * scales.to(dtype)[..., None]
     return values
 
 
 def gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: torch.Tensor,
            dtype: torch.dtype) -> torch.Tensor:
-    """Slots ``slots`` (1-D) of the cache, ``[N, 2, Hkv, D]`` in ``dtype``."""
+    """Slots ``slots`` (1-D) of the cache, ``[N, 2, Hkv, D]`` in ``dtype``. fp8 with ``kv_scale`` None: the e4m3
+    values as they are (exact in any float dtype), for a caller that applies (k_scale, v_scale) itself."""
     if not is_quantized(kv_cache):
         return kv_cache.index_select(0, slots)
     values = as_bytes(kv_cache).index_select(0, slots).view(kv_cache.dtype)
+    if kv_scale is None and kv_cache.dtype == torch.float8_e4m3fn:
+        return values.to(dtype)
     scales = kv_scale.index_select(0, slots) if kv_cache.dtype == torch.int8 else kv_scale
     return dequantize(values, scales, dtype)
