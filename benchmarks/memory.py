@@ -193,13 +193,17 @@ def kv_cache_dtypes(args) -> dict:
                for name in KV_COMPARED}
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(FIRST_ORDINARY_ID, VOCAB, args.decode_context).tolist() for _ in range(args.decode_batch)]
+    max_tokens = args.turns * args.decode_steps + 8
+    for llm in engines.values():
+        _prefill(llm, prompts, max_tokens)
     times = {name: [] for name in KV_COMPARED}
-    for turn in range(args.turns):
+    for _ in range(args.turns):
         for name, llm in engines.items():  # in turns: a busy machine slows every engine alike
-            times[name] += _decode_steps(llm, prompts, args.decode_steps, f"t{turn}")
+            times[name] += [_timed(llm.engine.step) for _ in range(args.decode_steps)]
     rows = {}
     for name, llm in engines.items():
         core = llm.engine.core
+        llm.engine.abort_request([f"d{i}" for i in range(len(prompts))])
         step = statistics.median(times[name])
         rows[name] = {"blocks": core.num_blocks, "tokens_held": core.num_blocks * core.config.block_size,
                       "block_bytes": block_bytes(name), "decode_step_s": step}
@@ -212,24 +216,16 @@ def kv_cache_dtypes(args) -> dict:
             "targets": {"tokens_vs_bf16": 2.0, "step_vs_bf16": 1.10}, "caches": rows}
 
 
-def _decode_steps(llm: LLM, prompts: list[list[int]], steps: int, tag: str) -> list[float]:
-    """Prefill ``prompts``, then time ``steps`` decode steps of all of them (each step's seconds); abort them."""
+def _prefill(llm: LLM, prompts: list[list[int]], max_tokens: int) -> None:
+    """Add ``prompts`` (requests d0, d1, ...) and step until each has its first token: every step after this
+    one is a decode step of all of them."""
     engine = llm.engine
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
     produced = set()
-    while len(produced) < len(ids):  # until every prompt is in the cache and has its first token
+    while len(produced) < len(prompts):
         produced |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    result = []
-    for _ in range(steps):
-        result.append(_timed(engine.step))
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    llm.reset_prefix_cache()  # the next turn prefills again, as this one did
-    return result
 
 
 def report_kv(result: dict) -> None:

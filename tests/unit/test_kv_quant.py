@@ -203,3 +203,13 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices(capsys):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         kv_quant.cache_dtype("e5m2", torch.float32)
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+
+
+def test_the_adapters_pass_the_kv_cache_dtype_to_the_engine():
+    pytest.importorskip("pydantic")
+    from rayserve_adapter.args import AppArgs
+    assert AppArgs(kv_cache_dtype="fp8").engine_config().kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        AppArgs(kv_cache_dtype="fp4")
+    kserve_args = pytest.importorskip("kserve_adapter.args")
+    assert kserve_args.build_parser().parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
