@@ -64,6 +64,7 @@ _SIGNATURES = {
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                                    _f32, _ptr, _int, _int, _ptr], _int),
     "pr_decode_layer": ([_ptr, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "pr_kv_gather": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _int], None),
 }
 
 
@@ -260,6 +261,11 @@ def load(cache_dir: str | Path) -> bool:
     return True
 
 
+def loaded() -> bool:
+    """Whether ``load`` succeeded in this process."""
+    return _Loaded.lib is not None
+
+
 def max_rows() -> int:
     """Most rows ``cpu_linear`` and ``cpu_decode_layer`` take in one call (MAX_ROWS in the C file)."""
     return _Loaded.max_rows
@@ -354,6 +360,22 @@ def cpu_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
         *_kv_args(kv_cache, kv_scale))
     if rc:
         raise MemoryError("pr_paged_decode_attention could not allocate its score buffers")
+    return out
+
+
+@_op("cpu_kv_gather(Tensor kv_cache, Tensor? kv_scale, Tensor slots, ScalarType dtype) -> Tensor",
+     lambda kv_cache, kv_scale, slots, dtype: kv_cache.new_empty((slots.shape[0], *kv_cache.shape[1:]), dtype=dtype))
+def cpu_kv_gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Slots ``slots`` of an 8-bit cache dequantized to ``dtype`` in one pass: ``kv_quant.gather``'s result
+    (fp8 with ``kv_scale`` None: the values unscaled)."""
+    kv_dt = KV_DTYPES[kv_cache.dtype]
+    if kv_dt == 2 and kv_scale is None:
+        raise ValueError("an int8 KV cache needs its kv_scale")
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty((slots.shape[0], *kv_cache.shape[1:]), dtype=dtype)
+    _lib().pr_kv_gather(_p(kv_cache), _p(kv_scale), _p(slots), slots.shape[0], kv_cache.shape[2], kv_cache.shape[3],
+                        kv_dt, _p(out), DTYPES[dtype])
     return out
 
 

@@ -398,6 +398,31 @@ static inline const void *kv_row(const Paged *P, const void *kv_cache, int64_t s
     return tmp;
 }
 
+/* Rows slots[0..n) of an 8-bit cache, dequantized into out ([n, 2, kv_heads, dim], dt) in one pass: what
+ * kv_quant.gather computes in three or four PyTorch passes (the torch backend's read on the CPU). fp8: value *
+ * kv_scale[kv] (kv_scale NULL: the values as they are); int8: value * rnd(its scale, dt); each rounded to dt. */
+void pr_kv_gather(const void *kv_cache, const float *kv_scale, const int64_t *slots, int64_t n, int64_t kv_heads,
+                  int64_t dim, int kv_dt, void *out, int dt) {
+    float table[256];
+    for (int i = 0; i < 256; i++) table[i] = kv_dt == KV_FP8 ? e4m3_to_f32((uint8_t)i) : (float)(int8_t)i;
+    int64_t row = 2 * kv_heads * dim;
+#pragma omp parallel for if (n * row > 32768)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *src = (const uint8_t *)kv_cache + slots[r] * row;
+        for (int64_t h = 0; h < 2 * kv_heads; h++) { /* h = kv * kv_heads + head */
+            float s = 1.f;
+            if (kv_dt == KV_FP8 && kv_scale) s = kv_scale[h / kv_heads];
+            else if (kv_dt == KV_INT8) s = rnd(kv_scale[slots[r] * 2 * kv_heads + h], dt);
+            const uint8_t *x = src + h * dim;
+            int64_t at = (r * 2 * kv_heads + h) * dim;
+            if (dt == BF16)
+                for (int64_t i = 0; i < dim; i++) ((uint16_t *)out)[at + i] = f32_to_bf16(table[x[i]] * s);
+            else
+                for (int64_t i = 0; i < dim; i++) ((float *)out)[at + i] = table[x[i]] * s;
+        }
+    }
+}
+
 /* One token's k and v (dt, [kv_heads, dim] each) into slot: copied, or quantized as kv_quant.py. */
 static void store_kv_row(const Paged *P, const void *k, const void *v, void *kv_cache, int64_t slot, int dt) {
     int64_t n = P->kv_heads * P->dim, elem = dt == BF16 ? 2 : 4;

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_runtime.kernels import cpu
+
 # --kv-cache-dtype name -> the cache's element dtype (auto: the model's).
 CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn,
                                                "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
@@ -106,6 +108,8 @@ def gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: torch.T
     values as they are (exact in any float dtype), for a caller that applies (k_scale, v_scale) itself."""
     if not is_quantized(kv_cache):
         return kv_cache.index_select(0, slots)
+    if kv_cache.device.type == "cpu" and dtype in cpu.DTYPES and cpu.loaded():
+        return cpu.cpu_kv_gather(kv_cache, kv_scale, slots, dtype)  # the same values, in one pass
     values = as_bytes(kv_cache).index_select(0, slots).view(kv_cache.dtype)
     if kv_scale is None and kv_cache.dtype == torch.float8_e4m3fn:
         return values.to(dtype)

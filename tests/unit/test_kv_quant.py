@@ -213,3 +213,18 @@ def test_the_adapters_pass_the_kv_cache_dtype_to_the_engine():
         AppArgs(kv_cache_dtype="fp4")
     kserve_args = pytest.importorskip("kserve_adapter.args")
     assert kserve_args.build_parser().parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+
+
+@kernels
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_gather_reads_what_the_torch_gather_reads(name, dtype):
+    """``cpu_kv_gather`` (the torch backend's read on the CPU once the kernels load) is bit for bit the
+    PyTorch dequantization, fp8 with and without its scales."""
+    cache, scale = filled_cache(name, dtype, 6, 16, 3, 40, seed=11)
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:50]
+    values = kv_quant.as_bytes(cache).index_select(0, slots).view(cache.dtype)
+    scales = scale.index_select(0, slots) if name == "int8" else scale
+    assert torch.equal(cpu.cpu_kv_gather(cache, scale, slots, dtype), kv_quant.dequantize(values, scales, dtype))
+    if name == "fp8":
+        assert torch.equal(cpu.cpu_kv_gather(cache, None, slots, dtype), values.to(dtype))
