@@ -16,9 +16,18 @@ What it measures (one process, bfloat16, the runtime only; no timings but TTFT)
     (c) Prefix caching. Time to first token of a request with a 1,000-token
         prefix: cache miss (after reset_prefix_cache) vs hit (the same prefix,
         another suffix). Median of 5 pairs. Target: hit >= 10x faster.
+    (d) 8-bit KV cache (--compare-kv-cache-dtypes, instead of a-c): at one
+        --kv-cache-memory, the tokens each --kv-cache-dtype holds (auto = bf16,
+        fp8, int8; target 2x bf16's), and the time of a decode step of
+        --decode-batch requests at --decode-context tokens of context, the three
+        engines loaded side by side and timed in turns (so a busy machine slows
+        all three alike); median per step, ratio to bf16 (target <= 1.10).
+        Writes benchmarks/results/kv-cache-dtype-<device>.json (+ PNG).
 
 How to run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/memory.py [--num-requests 48 --output-mean 128]
+        [--kv-cache-dtype fp8]   (a-c with an 8-bit cache)
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/memory.py --compare-kv-cache-dtypes
 
 Prints tables, writes benchmarks/results/memory.json and memory.png (if
 matplotlib is installed).
@@ -39,6 +48,7 @@ from throughput import RESULTS, machine_info  # noqa: E402
 from workload import FIRST_ORDINARY_ID, make_workload  # noqa: E402
 
 from paged_runtime import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from paged_runtime.config import KV_CACHE_DTYPES  # noqa: E402
 
 VOCAB = 49152
 
@@ -51,13 +61,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-blocks", type=int, default=256, help="KV budget for (a), in blocks of 16 tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the cache of (a)-(c); --kv-blocks counts blocks of its own size")
+    p.add_argument("--compare-kv-cache-dtypes", action="store_true",
+                   help="run (d) only: tokens held and decode step time, auto (bf16) vs fp8 vs int8")
+    p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="(d): bytes for each engine's KV cache")
+    p.add_argument("--decode-batch", type=int, default=8, help="(d): requests per decode step")
+    p.add_argument("--decode-context", type=int, default=512, help="(d): prompt tokens before the timed steps")
+    p.add_argument("--decode-steps", type=int, default=8, help="(d): steps timed per turn")
+    p.add_argument("--turns", type=int, default=6, help="(d): turns per engine")
     return p.parse_args(argv)
 
 
+KV_DTYPE = "auto"  # (a)-(c)'s cache (--kv-cache-dtype)
+
+
+def block_bytes(kv_cache_dtype: str) -> int:
+    """SmolLM2-135M's KV block: 16 tokens x 30 layers x 3 KV heads x (K, V of 64 + int8's two float32 scales)."""
+    values = 1 if kv_cache_dtype != "auto" else 2  # bf16 or 8 bits
+    return 16 * 30 * 3 * (2 * 64 * values + (8 if kv_cache_dtype == "int8" else 0))
+
+
 def make_llm(max_model_len: int, num_blocks: int, **kwargs) -> LLM:
-    per_block = 16 * 2 * 30 * 3 * 64 * 2  # tokens * K,V * layers * kv heads * head dim * bf16 bytes
-    return LLM(dtype="bfloat16", max_model_len=max_model_len, kv_cache_memory=num_blocks * per_block,
-               max_num_seqs=256, **kwargs)
+    kwargs.setdefault("kv_cache_dtype", KV_DTYPE)
+    return LLM(dtype="bfloat16", max_model_len=max_model_len,
+               kv_cache_memory=num_blocks * block_bytes(kwargs["kv_cache_dtype"]), max_num_seqs=256, **kwargs)
 
 
 def live_stats(llm: LLM) -> tuple[int, int, int, int]:
@@ -154,6 +182,83 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+# ---- (d) 8-bit KV cache ----------------------------------------------------------
+KV_COMPARED = ("auto", "fp8", "int8")
+
+
+def kv_cache_dtypes(args) -> dict:
+    """Tokens held at one budget, and decode step time at one batch and context, for each cache dtype."""
+    engines = {name: LLM(dtype="bfloat16", kv_cache_dtype=name, max_model_len=args.max_model_len,
+                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.decode_batch, 8))
+               for name in KV_COMPARED}
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(FIRST_ORDINARY_ID, VOCAB, args.decode_context).tolist() for _ in range(args.decode_batch)]
+    max_tokens = args.turns * args.decode_steps + 8
+    for llm in engines.values():
+        _prefill(llm, prompts, max_tokens)
+    times = {name: [] for name in KV_COMPARED}
+    for _ in range(args.turns):
+        for name, llm in engines.items():  # in turns: a busy machine slows every engine alike
+            times[name] += [_timed(llm.engine.step) for _ in range(args.decode_steps)]
+    rows = {}
+    for name, llm in engines.items():
+        core = llm.engine.core
+        llm.engine.abort_request([f"d{i}" for i in range(len(prompts))])
+        step = statistics.median(times[name])
+        rows[name] = {"blocks": core.num_blocks, "tokens_held": core.num_blocks * core.config.block_size,
+                      "block_bytes": block_bytes(name), "decode_step_s": step}
+    for row in rows.values():
+        row["tokens_vs_bf16"] = row["tokens_held"] / rows["auto"]["tokens_held"]
+        row["step_vs_bf16"] = row["decode_step_s"] / rows["auto"]["decode_step_s"]
+    return {"kv_cache_memory": args.kv_cache_memory, "decode_batch": args.decode_batch,
+            "decode_context": args.decode_context, "steps_timed": args.turns * args.decode_steps,
+            "attention_backend": engines["auto"].engine.core.executor.worker.attention_backend,
+            "targets": {"tokens_vs_bf16": 2.0, "step_vs_bf16": 1.10}, "caches": rows}
+
+
+def _prefill(llm: LLM, prompts: list[list[int]], max_tokens: int) -> None:
+    """Add ``prompts`` (requests d0, d1, ...) and step until each has its first token: every step after this
+    one is a decode step of all of them."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    produced = set()
+    while len(produced) < len(prompts):
+        produced |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+
+
+def report_kv(result: dict) -> None:
+    print(f"\n(d) KV cache dtype at kv_cache_memory {result['kv_cache_memory'] >> 20} MiB; decode step of "
+          f"{result['decode_batch']} requests at {result['decode_context']} tokens ({result['steps_timed']} steps "
+          f"each, {result['attention_backend']} attention)")
+    print(f"{'cache':8s} {'block bytes':>12s} {'tokens held':>12s} {'vs bf16':>8s} {'step ms':>9s} {'vs bf16':>8s}")
+    for name, row in result["caches"].items():
+        print(f"{name:8s} {row['block_bytes']:>12d} {row['tokens_held']:>12d} {row['tokens_vs_bf16']:>7.2f}x"
+              f" {row['decode_step_s'] * 1000:>9.1f} {row['step_vs_bf16']:>7.2f}x")
+
+
+def write_kv_png(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["caches"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    left.bar(list(rows), [r["tokens_vs_bf16"] for r in rows.values()], color="tab:blue")
+    left.axhline(2.0, color="gray", linestyle="--", linewidth=1)
+    left.set_title("tokens held vs bf16 (same memory)")
+    right.bar(list(rows), [r["step_vs_bf16"] for r in rows.values()], color="tab:orange")
+    right.axhline(1.10, color="gray", linestyle="--", linewidth=1)
+    right.set_title("decode step time vs bf16")
+    fig.suptitle("paged-runtime: 8-bit KV cache (SmolLM2-135M, bf16 model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 # ---- report ----------------------------------------------------------------------
 def report(result: dict) -> None:
     a = result["paging"]
@@ -190,8 +295,20 @@ def write_png(result: dict, path: Path) -> Path | None:
 
 
 def main(argv=None) -> int:
+    global KV_DTYPE
     args = parse_args(argv)
     result = {"machine": machine_info(), "parameters": vars(args)}
+    if args.compare_kv_cache_dtypes:
+        result |= kv_cache_dtypes(args)
+        report_kv(result)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        device = "cuda" if result["attention_backend"] == "triton" else "cpu"
+        out = RESULTS / f"kv-cache-dtype-{device}.json"
+        out.write_text(json.dumps(result, indent=2))
+        png = write_kv_png(result, RESULTS / f"kv-cache-dtype-{device}.png")
+        print(f"\nwrote {out}" + (f" and {png}" if png else ""))
+        return 0
+    KV_DTYPE = args.kv_cache_dtype
     result |= {"paging": paging(args), "sharing": sharing(args.seed), "prefix": prefix_ttft(args.seed)}
     report(result)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_STRING_LENGTH = 512
 # --quantization: weights quantized at load (layers/quantization.NAMES, repeated here to keep this module light)
 QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
+# --kv-cache-dtype: the paged cache's elements (kernels/kv_quant.CACHE_DTYPES, repeated here to keep this light)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 
 def _env_flag(name: str) -> bool | None:
@@ -43,6 +45,9 @@ class EngineConfig:
     # blocks; "gptq", "awq", "compressed-tensors": config.json's quantization_config) is used by itself (None);
     # "none": plain weights (a .gguf dequantized at load).
     quantization: str | None = None
+    # The paged KV cache's elements, as vLLM's --kv-cache-dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3"
+    # (float8_e4m3fn, per-tensor scales 1.0), "int8" (per token and head scales): ~2x the tokens per byte.
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -101,6 +106,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_parallel()
         if self.async_scheduling and self.speculative_config is not None:

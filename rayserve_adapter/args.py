@@ -27,6 +27,7 @@ class AppArgs(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = "auto"
     # weights quantized at load or the checkpoint's format (--quantization)
     quantization: Literal["none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "int8"] = "auto"  # the paged cache's elements
     device: str = "auto"
     max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=256, ge=1)

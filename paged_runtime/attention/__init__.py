@@ -32,10 +32,13 @@ class AttentionMetadata(Protocol):
     rows_only: bool  # only one-token query rows, for the CPU op set's one-op decoder layer
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v ([T, Hkv, D]) into the cache; return attention of q ([T, H, D]) over it, each query
         over its last ``window`` positions (None: all) with scores soft-capped at ``softcap`` (None: not)
-        -- the meaning of ``layers.attention.Attention``'s ``sliding_window`` and ``logit_softcap``."""
+        -- the meaning of ``layers.attention.Attention``'s ``sliding_window`` and ``logit_softcap``.
+        An 8-bit ``kv_cache`` (fp8 / int8) comes with its ``kv_scale`` (``kernels.kv_quant``): quantized on
+        store, dequantized on read."""
         ...
 
 

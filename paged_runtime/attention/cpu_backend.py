@@ -24,6 +24,9 @@ from paged_runtime.batch import StepBatch
 from paged_runtime.kernels import cpu as cpu_kernels
 
 
+_UNIT_FP8_SCALES = torch.ones(2)  # (k_scale, v_scale) = 1: fp8 values read as they are
+
+
 @dataclass(slots=True)
 class DecodeRows:
     row_start: int
@@ -36,9 +39,12 @@ class DecodeRows:
         return self.context_lens.shape[0]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if kv_scale is None and kv_cache.dtype == torch.float8_e4m3fn:  # the caller applies fp8's scales
+            kv_scale = _UNIT_FP8_SCALES
         return cpu_kernels.cpu_paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens,
-                                                      self.block_size, scale, window or 0, softcap or 0.)
+                                                      self.block_size, scale, window or 0, softcap or 0.,
+                                                      kv_scale)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import numpy as np
 
 from paged_runtime.batch import StepBatch
+from paged_runtime.kernels import kv_quant
 
 
 def in_window(query_pos: torch.Tensor, width: int, window: int) -> torch.Tensor:
@@ -68,8 +69,8 @@ class DecodeGroup:
         return self.slots.shape[0]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        return _decode_attention(q, kv_cache, self, scale, self.window_mask(window), softcap)
+               softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return _decode_attention(q, kv_cache, self, scale, self.window_mask(window), softcap, kv_scale)
 
     def window_mask(self, window: int | None) -> torch.Tensor | None:
         if window is None or window >= self.slots.shape[1]:
@@ -100,9 +101,10 @@ class VerifyGroup:
         return self.query_index.shape[0]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         requests, width = self.slots.shape
-        context = kv_cache.index_select(0, self.slots.reshape(-1)).view(requests, width, *kv_cache.shape[1:])
+        context = kv_quant.gather(kv_cache, kv_scale, self.slots.reshape(-1), q.dtype).view(
+            requests, width, *kv_cache.shape[1:])
         grid = q.new_zeros(requests * self.max_queries, *q.shape[1:]).index_copy_(0, self.query_index, q)
         grid = grid.view(requests, self.max_queries, *q.shape[1:]).transpose(1, 2)  # [R, H, Q, D]
         out = attention(grid, context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2),
@@ -127,8 +129,9 @@ class AttentionMetadata:
     rows_only = False  # the CPU kernel backend's flag for its one-op decoder layer; never here
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, self, scale, window, softcap)
+               window: int | None = None, softcap: float | None = None,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, self, scale, window, softcap, kv_scale)
 
 
 def decode_group(row_start: int, slots: torch.Tensor, context_lens: torch.Tensor) -> DecodeGroup:
@@ -146,22 +149,35 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]."""
-    kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
+                    softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]. An 8-bit cache
+    (``kv_scale``: see ``kernels.kv_quant``) is quantized on store and read back dequantized by every
+    query, a whole prompt's included (as the other backends, which always read the cache)."""
+    quantized = kv_quant.is_quantized(kv_cache)
+    if quantized:
+        kv_quant.store(k, v, kv_cache, kv_scale, meta.slot_mapping)
+    else:
+        kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
+    read_scale, fp8 = kv_scale, kv_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        # Per-tensor scales factor out of attention: q . (k_scale k) = (k_scale q) . k, and the output is
+        # v_scale times the one over the raw values. The context is then read with one cast (e4m3 is exact in
+        # any float dtype) instead of a dequantizing pass; with vLLM's default scales 1 nothing changes.
+        q, read_scale = (q.float() * kv_scale[0]).to(q.dtype), None
     out = torch.empty_like(q)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)
-        out[rows] = group.attend(q[rows], kv_cache, scale, window, softcap)
+        out[rows] = group.attend(q[rows], kv_cache, scale, window, softcap, read_scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         mask = chunk.window_mask(window, q.device)
-        if chunk.context_slots is None:
+        if chunk.context_slots is None and not quantized:
             out[rows] = _attend(q[rows], k[rows], v[rows], mask, scale, softcap)
         else:
-            context = kv_cache.index_select(0, chunk.context_slots)
+            slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots
+            context = kv_quant.gather(kv_cache, read_scale, slots, q.dtype)
             out[rows] = _attend(q[rows], context[:, 0], context[:, 1], mask, scale, softcap)
-    return out
+    return (out.float() * kv_scale[1]).to(out.dtype) if fp8 else out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -191,10 +207,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float,
-                      mask: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | None, softcap: float | None = None,
+                      kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Batched one-token queries over gathered context: q [B, H, D] -> [B, H, D]."""
     # index_select on the flattened index is ~2x faster than advanced indexing here.
-    context = kv_cache.index_select(0, group.slots.reshape(-1)).view(*group.slots.shape, *kv_cache.shape[1:])
+    context = kv_quant.gather(kv_cache, kv_scale, group.slots.reshape(-1), q.dtype).view(
+        *group.slots.shape, *kv_cache.shape[1:])
     keys = context[:, :, 0].transpose(1, 2)  # [B, Hkv, C, D], strided: SDPA takes it as is
     values = context[:, :, 1].transpose(1, 2)
     return attention(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)

@@ -38,23 +38,25 @@ class TritonAttentionMetadata:
     rows_only = False  # the CPU kernel backend's flag; never here
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, self, scale, window, softcap)
+               window: int | None = None, softcap: float | None = None,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, self, scale, window, softcap, kv_scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: TritonAttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]; each query over its
-    last ``window`` positions (None: all), scores soft-capped at ``softcap`` (None: not)."""
-    triton_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
+    last ``window`` positions (None: all), scores soft-capped at ``softcap`` (None: not); an 8-bit cache
+    quantized on store and dequantized on read with ``kv_scale`` (``kernels.kv_quant``)."""
+    triton_ops.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
     # A window shortens what each query reads: split by the keys actually read.
     span = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
     splits = meta.num_kv_splits or triton_ops.num_kv_splits(
         meta.seq_lens.shape[0], kv_cache.shape[2], meta.max_query_len, span)
     return triton_ops.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       meta.block_size, meta.max_query_len, scale, splits, window or 0,
-                                      softcap or 0.)
+                                      softcap or 0., kv_scale)
 
 
 def build_metadata(batch: StepBatch, device: torch.device) -> TritonAttentionMetadata:

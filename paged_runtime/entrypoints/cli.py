@@ -30,6 +30,7 @@ TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 # config.QUANTIZATIONS, without importing torch (tested equal)
 QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")  # config.KV_CACHE_DTYPES, likewise (tested equal)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -173,6 +174,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser, server=None) -> None:
                              "token, through torch._scaled_mm). Quantized checkpoints are served in their own format, "
                              "detected: a .gguf's blocks (gguf), or config.json's gptq, awq, compressed-tensors "
                              "(W8A16, W4A16, FP8); naming another format is an error; none dequantizes a .gguf")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the paged KV cache's elements: auto (the model's dtype), fp8 / fp8_e4m3 "
+                             "(float8_e4m3fn, per-tensor scales), int8 (per token and head scales)")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--max-model-len", type=positive_int, default=None)
     engine.add_argument("--max-num-seqs", type=positive_int, default=256)

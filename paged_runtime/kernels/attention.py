@@ -33,6 +33,11 @@ The numbering never overlaps, and its end ``T // BLOCK_Q + B`` depends on shapes
 so the grid is sized without reading device tensors (no host sync, fixed for a fixed
 batch shape). A program finds its sequence by binary search over ``query_start_loc``.
 
+An 8-bit cache (``QUANT``: 1 fp8 with per-tensor (k_scale, v_scale), 2 int8 with a
+``[num_slots, 2, Hkv]`` float32 scale per key and value row; ``kernels.kv_quant``) is read back as
+value * scale in fp32 (int8: the scale rounded to q's dtype first), rounded to q's dtype: what the
+torch backend's gather gives.
+
 Each program runs an online softmax in fp32 over its keys in tiles of TILE_N keys (a tile
 may span several cache blocks: each key looks up its own block id). Scores are kept
 in log2 units (scale * log2 e folded into the scale) so exp2 replaces exp.
@@ -74,6 +79,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from paged_runtime.kernels.store_kv import quant_mode
 
 # Tile shapes (see tile_shape): keys per inner-loop step, warps and software-pipeline stages.
 PREFILL_TILE_N = 32
@@ -145,14 +152,15 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr,
     scale_log2, num_seqs, window, softcap,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_c_slot, stride_c_kv, stride_c_h, stride_bt,
+    stride_c_slot, stride_c_kv, stride_c_h, stride_bt, stride_s_slot, stride_s_kv,
     stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,6 +215,18 @@ def _paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(kv_row, mask=kv_mask, other=0.0)
         v = tl.load(kv_row + stride_c_kv, mask=kv_mask, other=0.0)
+        if QUANT == 1:
+            k = (k.to(tl.float32) * tl.load(kv_scale_ptr)).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * tl.load(kv_scale_ptr + 1)).to(q_ptr.dtype.element_ty)
+        elif QUANT == 2:
+            scale_row = kv_scale_ptr + slot * stride_s_slot + kv_head
+            k_scale = tl.load(scale_row, mask=key_ok, other=0.0)
+            v_scale = tl.load(scale_row + stride_s_kv, mask=key_ok, other=0.0)
+            # The scale rounded to q's dtype first, as kv_quant.dequantize (int8 times it is exact in fp32).
+            k_scale = k_scale.to(q_ptr.dtype.element_ty).to(tl.float32)
+            v_scale = v_scale.to(q_ptr.dtype.element_ty).to(tl.float32)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP:  # c * tanh(x / c) of the natural-units score x, kept in log2 units (tanh via exp2: any x)
             s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(2.0 * s / softcap) + 1.0))
@@ -276,10 +296,11 @@ def _block_shape(group: int, max_query_len: int) -> tuple[int, int]:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
                     scale: float, num_splits: int = 1, out: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query in ``q`` ([T, H, D]) over its sequence's paged context
     (layout in the module docstring); returns ``out`` ([T, H, D], q's dtype). ``window > 0``: each query
-    over its last ``window`` positions; ``softcap > 0``: scores soft-capped at it.
+    over its last ``window`` positions; ``softcap > 0``: scores soft-capped at it; ``kv_scale``: an 8-bit
+    cache's scales.
 
     ``max_query_len`` is a host-side upper bound on any sequence's query count (it picks
     the tile shape); ``num_splits > 1`` runs the split-KV variant with that many segments.
@@ -295,7 +316,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     group = num_heads // num_kv_heads
     block_m, block_q = _block_shape(group, max_query_len)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    tile_n, num_warps, num_stages = tile_shape(head_dim, max_query_len, kv_cache.element_size())
+    quant = quant_mode(kv_cache)
+    assert (kv_scale is not None) == bool(quant), "an 8-bit cache needs its scales, a model-dtype one none"
+    # An 8-bit tile is widened to q's dtype before the dots: size the tiles by that.
+    tile_n, num_warps, num_stages = tile_shape(head_dim, max_query_len, q.element_size() if quant
+                                               else kv_cache.element_size())
+    scales = kv_scale if quant else kv_cache
+    per_slot = quant == 2
     split = num_splits > 1
     assert num_splits <= SPLIT_MAX_SEGMENTS, "the reduction is sized for SPLIT_MAX_SEGMENTS"
     if split:
@@ -307,13 +334,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables,
-        part_acc, part_max, part_sum,
+        part_acc, part_max, part_sum, scales,
         scale * 1.4426950408889634, num_seqs, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        scales.stride(0) if per_slot else 0, scales.stride(1) if per_slot else 0,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_max.stride(0), part_max.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=tile_n, BLOCK_SIZE=block_size, SPLIT=split, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        TILE_N=tile_n, BLOCK_SIZE=block_size, SPLIT=split, SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant,
         # fp32 models get fp32 products, not TF32 (10-bit mantissa) tensor-core ones.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps, num_stages=num_stages,

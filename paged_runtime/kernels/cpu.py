@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The cache's element kind (cpu_ops.c's KV_MODEL / KV_FP8 / KV_INT8): an 8-bit cache (kernels/kv_quant.py).
+KV_DTYPES = {torch.float8_e4m3fn: 1, torch.int8: 2}
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -65,19 +67,20 @@ _SIGNATURES = {
     "pr_rope": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], None),
     "pr_silu_mul": ([_ptr, _ptr, _i64, _i64, _int], None),
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
-                                   _f32, _ptr, _int], _int),
+                                   _f32, _ptr, _int, _int, _ptr], _int),
     "pr_decode_layer": ([_ptr, _ptr, _ptr, _ptr, _ptr, _int], _int),
     "pr_gguf_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int], _int),
     "pr_gguf_dequantize": ([_ptr, _ptr, _i64, _i64, _int, _int], _int),
     "pr_gguf_force_scalar": ([_int], None),
     "pr_gguf_abi": ([_int], _i64),
+    "pr_kv_gather": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _int], None),
 }
 
 
 class _Paged(ctypes.Structure):
     _fields_ = [("block_tables", _ptr), ("context_lens", _ptr), ("table_stride", _i64), ("block_size", _i64),
                 ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("window", _i64), ("scale", _f32),
-                ("softcap", _f32)]
+                ("softcap", _f32), ("kv_dt", _int), ("kv_scale", _ptr)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -268,6 +271,11 @@ def load(cache_dir: str | Path) -> bool:
     return True
 
 
+def loaded() -> bool:
+    """Whether ``load`` succeeded in this process."""
+    return _Loaded.lib is not None
+
+
 def max_rows() -> int:
     """Most rows ``cpu_linear`` and ``cpu_decode_layer`` take in one call (MAX_ROWS in the C file)."""
     return _Loaded.max_rows
@@ -342,24 +350,51 @@ def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @_op("cpu_paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
-     "int block_size, float scale, int window=0, float softcap=0.) -> Tensor",
-     lambda q, kv_cache, block_tables, context_lens, block_size, scale, window=0, softcap=0.: torch.empty_like(q))
+     "int block_size, float scale, int window=0, float softcap=0., Tensor? kv_scale=None) -> Tensor",
+     lambda q, kv_cache, block_tables, context_lens, block_size, scale, window=0, softcap=0., kv_scale=None:
+     torch.empty_like(q))
 def cpu_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                context_lens: torch.Tensor, block_size: int, scale: float, window: int = 0,
-                               softcap: float = 0.) -> torch.Tensor:
+                               softcap: float = 0., kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row of q ([B, H, D], rows may be strided) over its paged context: its last
     ``window`` tokens when window > 0 (the blocks before them are not read), scores soft-capped at
-    ``softcap`` when > 0 (``c * tanh(s / c)`` of the scaled score)."""
+    ``softcap`` when > 0 (``c * tanh(s / c)`` of the scaled score). An 8-bit cache (fp8 / int8) is read
+    dequantized with ``kv_scale`` (``kernels.kv_quant``)."""
     b, heads, dim = q.shape
     if q.stride(1) != dim or q.stride(2) != 1:
         raise ValueError("q's heads must be contiguous within a row")
     out = torch.empty(b, heads, dim, dtype=q.dtype)
     rc = _lib().pr_paged_decode_attention(
         _p(q), q.stride(0), _p(kv_cache), _p(block_tables), block_tables.stride(0), _p(context_lens), b, heads,
-        kv_cache.shape[2], dim, block_size, window, scale, softcap, _p(out), DTYPES[q.dtype])
+        kv_cache.shape[2], dim, block_size, window, scale, softcap, _p(out), DTYPES[q.dtype],
+        *_kv_args(kv_cache, kv_scale))
     if rc:
         raise MemoryError("pr_paged_decode_attention could not allocate its score buffers")
     return out
+
+
+@_op("cpu_kv_gather(Tensor kv_cache, Tensor? kv_scale, Tensor slots, ScalarType dtype) -> Tensor",
+     lambda kv_cache, kv_scale, slots, dtype: kv_cache.new_empty((slots.shape[0], *kv_cache.shape[1:]), dtype=dtype))
+def cpu_kv_gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Slots ``slots`` of an 8-bit cache dequantized to ``dtype`` in one pass: ``kv_quant.gather``'s result
+    (fp8 with ``kv_scale`` None: the values unscaled)."""
+    kv_dt = KV_DTYPES[kv_cache.dtype]
+    if kv_dt == 2 and kv_scale is None:
+        raise ValueError("an int8 KV cache needs its kv_scale")
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty((slots.shape[0], *kv_cache.shape[1:]), dtype=dtype)
+    _lib().pr_kv_gather(_p(kv_cache), _p(kv_scale), _p(slots), slots.shape[0], kv_cache.shape[2], kv_cache.shape[3],
+                        kv_dt, _p(out), DTYPES[dtype])
+    return out
+
+
+def _kv_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[int, int | None]:
+    """(kv_dt, kv_scale pointer) for the C kernels; an 8-bit cache must come with its float32 scales."""
+    kv_dt = KV_DTYPES.get(kv_cache.dtype, 0)
+    if kv_dt and (kv_scale is None or kv_scale.dtype != torch.float32 or not kv_scale.is_contiguous()):
+        raise ValueError(f"a {kv_cache.dtype} KV cache needs its contiguous float32 kv_scale")
+    return kv_dt, _p(kv_scale) if kv_dt else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -370,25 +405,28 @@ def _layer_struct(pointers: tuple[int | None, ...], hidden: int, intermediate: i
 
 @functools.lru_cache(maxsize=4)
 def _step_struct(pointers: tuple[int, ...], rows: int, table_stride: int, block_size: int, heads: int,
-                 kv_heads: int, dim: int, scale: float, window: int, softcap: float) -> _DecodeStep:
+                 kv_heads: int, dim: int, scale: float, window: int, softcap: float, kv_dt: int = 0,
+                 kv_scale: int | None = None) -> _DecodeStep:
     positions, slots, cos, sin, block_tables, context_lens = pointers
     paged = _Paged(block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, window, scale,
-                   softcap)
+                   softcap, kv_dt, kv_scale)
     return _DecodeStep(rows, positions, slots, cos, sin, paged)
 
 
 @_op("cpu_decode_layer(Tensor(a!) x, Tensor(b!) residual, Tensor(c!) kv_cache, Tensor?[] weights, "
      "Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, "
-     "int block_size, int heads, float scale, float eps, int window=0, float softcap=0.) -> ()",
+     "int block_size, int heads, float scale, float eps, int window=0, float softcap=0., "
+     "Tensor(d!)? kv_scale=None) -> ()",
      lambda *args, **kwargs: None)
 def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
                      weights: list[torch.Tensor | None], positions: torch.Tensor, slots: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      block_size: int, heads: int, scale: float, eps: float, window: int = 0,
-                     softcap: float = 0.) -> None:
+                     softcap: float = 0., kv_scale: torch.Tensor | None = None) -> None:
     """A whole Llama decoder layer for up to max_rows() one-token query rows: stores their K/V, replaces x
     (the layer's input) by its output and advances residual (zeros before the first layer), in one call.
-    ``window`` / ``softcap``: the layer's attention, as in ``cpu_paged_decode_attention``.
+    ``window`` / ``softcap`` / ``kv_scale``: the layer's attention, as in ``cpu_paged_decode_attention`` (an
+    8-bit cache's K/V quantized on store).
 
     ``weights``: input norm, qkv, qkv bias (or None), o, post-attention norm, gate_up, down, all contiguous.
     Index tensors int64 and cos / sin float32, contiguous (checked: the C code reads them raw)."""
@@ -401,7 +439,7 @@ def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Te
     layer = _layer_struct(tuple(map(_p, weights)), weights[3].shape[0], weights[6].shape[1], eps)
     step = _step_struct((_p(positions), _p(slots), _p(cos), _p(sin), _p(block_tables), _p(context_lens)),
                         positions.shape[0], block_tables.stride(0), block_size, heads, kv_heads, dim, scale,
-                        window, softcap)
+                        window, softcap, *_kv_args(kv_cache, kv_scale))
     rc = _lib().pr_decode_layer(ctypes.byref(layer), ctypes.byref(step), _p(kv_cache), _p(x), _p(residual),
                                 DTYPES[x.dtype])
     if rc:

@@ -293,12 +293,30 @@ void pr_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int dt) {
 
 /* ---- paged KV store and decode attention ---------------------------------------------------- */
 
-/* Cache layout [slots, 2, kv_heads, dim]: a slot's key at [slot, 0], its value at [slot, 1]. */
-static void store_kv_row(const void *k, const void *v, void *kv_cache, int64_t slot, int64_t kv_heads,
-                         int64_t dim, int64_t elem) {
-    int64_t bytes = kv_heads * dim * elem;
-    memcpy((char *)kv_cache + slot * 2 * bytes, k, bytes);
-    memcpy((char *)kv_cache + (slot * 2 + 1) * bytes, v, bytes);
+/* Cache layout [slots, 2, kv_heads, dim]: a slot's key at [slot, 0], its value at [slot, 1]. Its elements
+ * are the model's dtype (KV_MODEL) or 8 bits (kernels/kv_quant.py: the contract, with torch's reference):
+ * KV_FP8 float8_e4m3fn with per-tensor scales kv_scale[0] (keys), [1] (values); KV_INT8 int8 with a float32
+ * scale per slot, key/value and KV head, kv_scale[(slot * 2 + kv) * kv_heads + head]. */
+enum { KV_MODEL = 0, KV_FP8 = 1, KV_INT8 = 2 };
+#define FP8_MAX 448.f /* e4m3fn's largest finite */
+
+static inline float e4m3_to_f32(uint8_t b) {
+    int exp = (b >> 3) & 15, mant = b & 7;
+    float v = exp == 0 ? ldexpf((float)mant, -9) : exp == 15 && mant == 7 ? NAN : ldexpf((float)(8 + mant), exp - 10);
+    return b & 0x80 ? -v : v;
+}
+
+/* Round to nearest even, saturated at +-FP8_MAX (NaN stays NaN), as torch's .to(float8_e4m3fn) after a clamp. */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    float a = fabsf(f);
+    if (a != a) return sign | 0x7f;
+    if (a >= FP8_MAX) return sign | 0x7e;
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f); /* subnormals: steps of 2^-9 (8 -> 2^-6) */
+    uint32_t r = (u & 0x7fffffffu) + 0x7ffffu + ((u >> 20) & 1u); /* keep 3 mantissa bits, ties to even */
+    return sign | (uint8_t)((((r >> 23) - 120) << 3) | ((r >> 20) & 7)); /* exponent bias 127 -> 7 */
 }
 
 static float dot(const float *q, const void *k, int64_t dim, int dt) {
@@ -344,6 +362,8 @@ typedef struct {
     int64_t window; /* > 0: a row reads only its last `window` tokens (sliding window); 0: all */
     float scale;
     float softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax */
+    int kv_dt;       /* KV_MODEL, KV_FP8 or KV_INT8 (see store_kv_row) */
+    float *kv_scale; /* an 8-bit cache's scales; NULL for KV_MODEL */
 } Paged;
 
 /* The first context position row b reads: the start of its window, or 0. */
@@ -359,6 +379,80 @@ static inline SlotWalk walk_from(const Paged *P, const int64_t *table, int64_t f
 
 static inline float cap(const Paged *P, float s) { return P->softcap > 0.f ? P->softcap * tanhf(s / P->softcap) : s; }
 
+/* Row kv (0 key, 1 value) of KV head g at slot: the cache's own row (read with *row_dt = dt), or an 8-bit
+ * one dequantized into tmp (dim floats, each rounded to dt as torch's gather does; *row_dt = F32). */
+static inline const void *kv_row(const Paged *P, const void *kv_cache, int64_t slot, int kv, int64_t g, int dt,
+                                 float *tmp, int *row_dt) {
+    int64_t dim = P->dim, at = (slot * 2 + kv) * P->kv_heads * dim + g * dim;
+    *row_dt = dt;
+    if (P->kv_dt == KV_MODEL) return (const char *)kv_cache + at * (dt == BF16 ? 2 : 4);
+    *row_dt = F32;
+    if (P->kv_dt == KV_FP8) {
+        const uint8_t *src = (const uint8_t *)kv_cache + at;
+        for (int64_t i = 0; i < dim; i++) tmp[i] = rnd(e4m3_to_f32(src[i]) * P->kv_scale[kv], dt);
+    } else {
+        const int8_t *src = (const int8_t *)kv_cache + at;
+        float s = rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt); /* as kv_quant.dequantize */
+        for (int64_t i = 0; i < dim; i++) tmp[i] = rnd((float)src[i] * s, dt);
+    }
+    return tmp;
+}
+
+/* Rows slots[0..n) of an 8-bit cache, dequantized into out ([n, 2, kv_heads, dim], dt) in one pass: what
+ * kv_quant.gather computes in three or four PyTorch passes (the torch backend's read on the CPU). fp8: value *
+ * kv_scale[kv] (kv_scale NULL: the values as they are); int8: value * rnd(its scale, dt); each rounded to dt. */
+void pr_kv_gather(const void *kv_cache, const float *kv_scale, const int64_t *slots, int64_t n, int64_t kv_heads,
+                  int64_t dim, int kv_dt, void *out, int dt) {
+    float table[256];
+    for (int i = 0; i < 256; i++) table[i] = kv_dt == KV_FP8 ? e4m3_to_f32((uint8_t)i) : (float)(int8_t)i;
+    int64_t row = 2 * kv_heads * dim;
+#pragma omp parallel for if (n * row > 32768)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *src = (const uint8_t *)kv_cache + slots[r] * row;
+        for (int64_t h = 0; h < 2 * kv_heads; h++) { /* h = kv * kv_heads + head */
+            float s = 1.f;
+            if (kv_dt == KV_FP8 && kv_scale) s = kv_scale[h / kv_heads];
+            else if (kv_dt == KV_INT8) s = rnd(kv_scale[slots[r] * 2 * kv_heads + h], dt);
+            const uint8_t *x = src + h * dim;
+            int64_t at = (r * 2 * kv_heads + h) * dim;
+            if (dt == BF16)
+                for (int64_t i = 0; i < dim; i++) ((uint16_t *)out)[at + i] = f32_to_bf16(table[x[i]] * s);
+            else
+                for (int64_t i = 0; i < dim; i++) ((float *)out)[at + i] = table[x[i]] * s;
+        }
+    }
+}
+
+/* One token's k and v (dt, [kv_heads, dim] each) into slot: copied, or quantized as kv_quant.py. */
+static void store_kv_row(const Paged *P, const void *k, const void *v, void *kv_cache, int64_t slot, int dt) {
+    int64_t n = P->kv_heads * P->dim, elem = dt == BF16 ? 2 : 4;
+    if (P->kv_dt == KV_MODEL) {
+        memcpy((char *)kv_cache + slot * 2 * n * elem, k, n * elem);
+        memcpy((char *)kv_cache + (slot * 2 + 1) * n * elem, v, n * elem);
+        return;
+    }
+    for (int kv = 0; kv < 2; kv++)
+        for (int64_t g = 0; g < P->kv_heads; g++) {
+            const void *src = kv ? v : k;
+            int64_t from = g * P->dim, at = (slot * 2 + kv) * n + from;
+            if (P->kv_dt == KV_FP8) {
+                for (int64_t i = 0; i < P->dim; i++) {
+                    float x = load(src, from + i, dt) / P->kv_scale[kv];
+                    ((uint8_t *)kv_cache)[at + i] = f32_to_e4m3(x > FP8_MAX ? FP8_MAX : x < -FP8_MAX ? -FP8_MAX : x);
+                }
+                continue;
+            }
+            float amax = 0.f;
+            for (int64_t i = 0; i < P->dim; i++) amax = fmaxf(amax, fabsf(load(src, from + i, dt)));
+            float scale = amax / 127.f, safe = scale > 0.f ? scale : 1.f;
+            for (int64_t i = 0; i < P->dim; i++) {
+                float q = nearbyintf(load(src, from + i, dt) / safe);
+                ((int8_t *)kv_cache)[at + i] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+            }
+            P->kv_scale[(slot * 2 + kv) * P->kv_heads + g] = scale;
+        }
+}
+
 /* Query head h of row b (q at q + b * q_stride + h * dim) over the row's first context_lens[b] cached
  * tokens (its own already stored), or only the last P->window of them; token t lives in slot
  * block_tables[b, t / block_size] * block_size + t % block_size. Exact softmax in fp32; scratch holds
@@ -367,14 +461,15 @@ static inline float cap(const Paged *P, float s) { return P->softcap > 0.f ? P->
 static void attend_head(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
                         int64_t h, float *scratch, void *out, float *xf, int dt) {
     int64_t first = first_key(P, b), len = P->context_lens[b] - first, dim = P->dim, g = h / (P->heads / P->kv_heads);
-    int64_t row_bytes = P->kv_heads * dim * (dt == BF16 ? 2 : 4), head_bytes = g * dim * (dt == BF16 ? 2 : 4);
-    float *scores = scratch, *qf = scratch + len, *acc = qf + dim, max_score = -INFINITY, sum = 0.f;
+    float *scores = scratch, *qf = scratch + len, *acc = qf + dim, *tmp = acc + dim, max_score = -INFINITY, sum = 0.f;
+    int row_dt;
     for (int64_t i = 0; i < dim; i++) qf[i] = load(q, b * q_stride + h * dim + i, dt), acc[i] = 0.f;
     const int64_t *table = P->block_tables + b * P->table_stride;
     SlotWalk walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
-        scores[t] = cap(P, dot(qf, (const char *)kv_cache + slot * 2 * row_bytes + head_bytes, dim, dt) * P->scale);
+        const void *key = kv_row(P, kv_cache, slot, 0, g, dt, tmp, &row_dt);
+        scores[t] = cap(P, dot(qf, key, dim, row_dt) * P->scale);
         max_score = scores[t] > max_score ? scores[t] : max_score;
     }
     walk = walk_from(P, table, first);
@@ -382,7 +477,8 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
         int64_t slot = next_slot(&walk);
         float p = expf(scores[t] - max_score);
         sum += p;
-        axpy(p, (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes, acc, dim, dt);
+        const void *value = kv_row(P, kv_cache, slot, 1, g, dt, tmp, &row_dt);
+        axpy(p, value, acc, dim, row_dt);
     }
     for (int64_t i = 0; i < dim; i++) {
         float v = rnd(acc[i] / sum, dt);
@@ -472,16 +568,17 @@ static void attend_group(const Paged *P, const void *q, int64_t q_stride, const 
 /* Floats of per-thread scratch that attention needs for contexts up to max_len. */
 static int64_t attention_scratch(const Paged *P, int64_t max_len) {
     int64_t G = P->heads / P->kv_heads;
-    return (G * (max_len + 2 * P->dim) + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
+    /* + dim: attend_head's dequantized row of an 8-bit cache */
+    return (G * (max_len + 2 * P->dim) + P->dim + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
 }
 
 /* The calling thread's share of B rows' attention: (row, KV head) items with the vector kernel, (row, query
- * head) items otherwise. */
+ * head) items otherwise (and for an 8-bit cache, which attend_head dequantizes row by row). */
 static void attend_part(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t B,
                         float *scratch, void *out, float *xf, int dt) {
     int64_t begin, end;
 #ifdef __AVX512F__
-    if (P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
+    if (P->kv_dt == KV_MODEL && P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
         thread_range(B * P->kv_heads, &begin, &end);
         for (int64_t item = begin; item < end; item++)
             attend_group(P, q, q_stride, kv_cache, item / P->kv_heads, item % P->kv_heads, scratch, out, xf, dt);
@@ -501,12 +598,14 @@ static int64_t max_context(const int64_t *context_lens, int64_t B) {
 
 /* One query token per row of q (rows q_stride elements apart, heads dim apart) over its paged context
  * (window > 0: its last `window` tokens, the blocks before them unread; softcap > 0: scores soft-capped);
- * out is [B, heads, dim]. Returns -2 if the per-thread score buffers cannot be allocated. */
+ * out is [B, heads, dim]; kv_dt / kv_scale: the cache's element kind and an 8-bit cache's scales (see
+ * store_kv_row). Returns -2 if the per-thread score buffers cannot be allocated. */
 int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_cache, const int64_t *block_tables,
                               int64_t table_stride, const int64_t *context_lens, int64_t B, int64_t heads,
                               int64_t kv_heads, int64_t dim, int64_t block_size, int64_t window, float scale,
-                              float softcap, void *out, int dt) {
-    Paged P = {block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, window, scale, softcap};
+                              float softcap, void *out, int dt, int kv_dt, float *kv_scale) {
+    Paged P = {block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, window, scale, softcap,
+               kv_dt, kv_scale};
     int64_t per_thread = attention_scratch(&P, max_context(context_lens, B));
     float *scratch = alloc_lines(sizeof(float) * per_thread * omp_get_max_threads());
     if (!scratch) return -2;
@@ -557,8 +656,8 @@ int pr_decode_layer(const LayerWeights *W, const DecodeStep *S, void *kv_cache, 
 #pragma omp for
         for (int64_t m = 0; m < M; m++) {
             rope_row(qkv, qkv_size, S->positions[m], S->cos, S->sin, m, P->heads + P->kv_heads, dim, dt);
-            store_kv_row(qkv + elem * (m * qkv_size + q_size), qkv + elem * (m * qkv_size + q_size + kv_size),
-                         kv_cache, S->slots[m], P->kv_heads, dim, elem);
+            store_kv_row(P, qkv + elem * (m * qkv_size + q_size), qkv + elem * (m * qkv_size + q_size + kv_size),
+                         kv_cache, S->slots[m], dt);
         }
         attend_part(P, qkv, qkv_size, kv_cache, M, scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
 #pragma omp barrier

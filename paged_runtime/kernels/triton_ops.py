@@ -13,27 +13,30 @@ import torch
 
 LIB = torch.library.Library("paged_runtime", "FRAGMENT")
 
-LIB.define("triton_store_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
+LIB.define("triton_store_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+           "Tensor(b!)? kv_scale=None) -> ()")
 LIB.define("triton_paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
            "Tensor block_tables, int block_size, int max_query_len, float scale, int num_kv_splits, int window=0, "
-           "float softcap=0.) -> Tensor")
+           "float softcap=0., Tensor? kv_scale=None) -> Tensor")
 LIB.define("triton_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 LIB.define("triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
 LIB.define("triton_rope_(Tensor(a!) qkv, int num_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin) -> ()")
 LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
 
 
-def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              kv_scale: torch.Tensor | None = None) -> None:
     from paged_runtime.kernels.store_kv import store_kv
-    store_kv(k, v, kv_cache, slot_mapping)
+    store_kv(k, v, kv_cache, slot_mapping, kv_scale)
 
 
 def _paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, max_query_len: int,
-                     scale: float, num_kv_splits: int, window: int = 0, softcap: float = 0.) -> torch.Tensor:
+                     scale: float, num_kv_splits: int, window: int = 0, softcap: float = 0.,
+                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     from paged_runtime.kernels.attention import paged_attention
     return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
-                           scale, num_kv_splits, window=window, softcap=softcap)
+                           scale, num_kv_splits, window=window, softcap=softcap, kv_scale=kv_scale)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,7 +63,8 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
 LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
-torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping: None, lib=LIB)
+torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping, kv_scale=None: None,
+                            lib=LIB)
 torch.library.register_fake("paged_runtime::triton_paged_attention",
                             lambda q, *args: torch.empty_like(q), lib=LIB)
 

@@ -21,20 +21,24 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.kv_cache: torch.Tensor | None = None  # [num_slots, 2, num_kv_heads, head_dim], bound by the runner
+        # An 8-bit cache's scales (fp8: [2] k/v per tensor; int8: [num_slots, 2, num_kv_heads]); None: model dtype.
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q [T, H, D], k / v [T, Hkv, D] -> [T, H, D]."""
-        return meta.attend(q, k, v, self.kv_cache, self.scale, self.sliding_window, self.logit_softcap)
+        return meta.attend(q, k, v, self.kv_cache, self.scale, self.sliding_window, self.logit_softcap,
+                           self.kv_scale)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
-    """Give each attention layer of ``model``, in order, its cache."""
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor],
+                   kv_scales: list[torch.Tensor | None] | None = None) -> None:
+    """Give each attention layer of ``model``, in order, its cache (and an 8-bit cache's scales)."""
     layers = attention_layers(model)
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
-    for layer, kv_cache in zip(layers, kv_caches):
-        layer.kv_cache = kv_cache
+    for layer, kv_cache, kv_scale in zip(layers, kv_caches, kv_scales or [None] * len(layers)):
+        layer.kv_cache, layer.kv_scale = kv_cache, kv_scale

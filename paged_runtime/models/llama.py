@@ -95,7 +95,8 @@ class LlamaDecoderLayer(nn.Module):
         """The whole layer as one op, in place: x from input to output, residual advanced."""
         a = self.self_attn
         self.ops.decoder_layer(x, residual, a.attn.kv_cache, self.fused_weights(), self.input_layernorm.eps, meta,
-                               (a.rotary.cos, a.rotary.sin), a.attn.num_heads, a.attn.scale, a.attn.sliding_window)
+                               (a.rotary.cos, a.rotary.sin), a.attn.num_heads, a.attn.scale, a.attn.sliding_window,
+                               a.attn.kv_scale)
 
 
 class LlamaForCausalLM(nn.Module):

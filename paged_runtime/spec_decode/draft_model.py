@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from paged_runtime.batch import BatchItem, StepItem, layout_order
+from paged_runtime.kernels import kv_quant
 from paged_runtime.spec_decode.rejection_sampler import SpecRow, sample_from, target_probs
 
 # forward(model, items in layout order) -> hidden states: the runner's batch builder and backend.
@@ -41,8 +42,7 @@ class DraftModelProposer:
         self.computed.pop(request_id, None)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for kv_cache in self.kv_caches:
-            kv_cache[dst] = kv_cache[src]
+        kv_quant.copy_slots(self.kv_caches, src, dst)
 
     @torch.inference_mode()
     def propose(self, items: list[StepItem], spec_rows: dict[int, SpecRow], forward: Forward,

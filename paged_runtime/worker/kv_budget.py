@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from paged_runtime.core.kv_cache_manager import cdiv
+from paged_runtime.kernels import kv_quant
 from paged_runtime.layers.attention import attention_layers
 
 # On CPU the cache shares RAM with everything else, so take a modest share
@@ -11,11 +12,14 @@ from paged_runtime.layers.attention import attention_layers
 _CPU_SHARE, _CPU_CAP = 0.3, 4 * 2**30
 
 
-def bytes_per_block(models: list[torch.nn.Module], block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(models: list[torch.nn.Module], block_size: int, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> int:
     """One block's bytes in every attention layer of ``models`` (a target and its draft share block ids):
-    the layers and KV heads this rank holds, not the whole model's."""
-    per_token = sum(2 * layer.num_kv_heads * layer.head_dim for model in models for layer in attention_layers(model))
-    return per_token * dtype.itemsize * block_size
+    the layers and KV heads this rank holds, not the whole model's; values in ``dtype`` or the 8-bit
+    ``kv_cache_dtype``, with int8's per token and head scales (``kernels.kv_quant``)."""
+    per_token = sum(layer.num_kv_heads * kv_quant.bytes_per_token_head(kv_cache_dtype, dtype, layer.head_dim)
+                    for model in models for layer in attention_layers(model))
+    return per_token * block_size
 
 
 def free_memory(device: torch.device, utilization: float, num_ranks_here: int = 1) -> int:

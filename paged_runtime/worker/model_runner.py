@@ -25,6 +25,7 @@ import torch
 from paged_runtime.attention import BUILDERS
 from paged_runtime.batch import BatchItem, StepItem, build_batch, layout_order
 from paged_runtime.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from paged_runtime.kernels import kv_quant
 from paged_runtime.layers.attention import attention_layers, bind_kv_caches
 from paged_runtime.worker.sampling_metadata import build_sampling_metadata
 from paged_runtime.sample.sampler import Sampler, SamplerOutput, apply_token_bitmask
@@ -94,18 +95,19 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  seed: int, attention_backend: str, max_blocks_per_request: int,
                  drafter: DraftModelProposer | None = None, graphs: tuple[int, int] | None = None,
-                 samples: bool = True) -> None:
+                 samples: bool = True, kv_cache_dtype: str = "auto") -> None:
         """``graphs``: (max_num_seqs, max_model_len) to capture CUDA graphs for decode steps (Triton backend
         on CUDA only; see ``cuda_graphs``); None runs every step eagerly. ``samples``: False on a rank of a
         parallel model that only computes its share of the forward pass (``execute`` returns None there:
-        one rank samples, and the others learn the tokens from the scheduler's next step)."""
+        one rank samples, and the others learn the tokens from the scheduler's next step).
+        ``kv_cache_dtype``: auto (the model's dtype), fp8 / fp8_e4m3 or int8 (``kernels.kv_quant``)."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.attention_backend = attention_backend
         self.build_metadata = BUILDERS[attention_backend]
         if device.type == "cpu":
             keep_freed_memory_mapped()
-        self.kv_caches = allocate_kv_caches(model, num_blocks * block_size, dtype, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks * block_size, dtype, device, kv_cache_dtype)
         self.samples = samples
         self.states = RequestStates(max_blocks_per_request, c.vocab_size, device, samples=samples)
         self.grammar_masks = GrammarMaskFiller(c.vocab_size)
@@ -306,23 +308,29 @@ class ModelRunner:
         return s.start, token_logprobs(logits.log_softmax(dim=-1), targets, state.params.prompt_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: give each (src, dst) pair's dst block the KV of src, in every layer."""
+        """Copy-on-write: give each (src, dst) pair's dst block the KV of src, in every layer (an int8 cache's
+        scales too: they are among ``kv_caches``)."""
         offsets = np.arange(self.block_size)
         src, dst = (torch.from_numpy((np.asarray(b)[:, None] * self.block_size + offsets).ravel()).to(self.device)
                     for b in zip(*copies))
-        for kv_cache in self.kv_caches:
-            kv_cache[dst] = kv_cache[src]
+        kv_quant.copy_slots(self.kv_caches, src, dst)
         if self.drafter is not None:
             self.drafter.copy_slots(src, dst)
 
 
-def allocate_kv_caches(model, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(model, num_slots: int, dtype: torch.dtype, device: torch.device,
+                       kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """One zeroed ``[num_slots, 2, num_kv_heads, head_dim]`` cache per attention layer this rank holds (its
-    KV heads), bound to those layers. Zeroed, not empty: masked-out context slots are still multiplied by 0
-    in attention."""
+    KV heads), in ``dtype`` or the 8-bit ``kv_cache_dtype`` with its scales (``kernels.kv_quant``), bound to
+    those layers. Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention.
+    Returns every tensor indexed by slot (the caches, then int8's ``[num_slots, 2, num_kv_heads]`` scales):
+    what copy-on-write copies. Allocated once: CUDA graphs capture these very tensors."""
+    cache_dtype = kv_quant.cache_dtype(kv_cache_dtype, dtype)
+
     def zeros(shape):
-        return huge_page_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype,
-                                                                                        device=device)
+        return huge_page_zeros(shape, cache_dtype) if device.type == "cpu" else torch.zeros(
+            shape, dtype=cache_dtype, device=device)
     kv_caches = [zeros((num_slots, 2, layer.num_kv_heads, layer.head_dim)) for layer in attention_layers(model)]
-    bind_kv_caches(model, kv_caches)
-    return kv_caches
+    kv_scales = [kv_quant.allocate_scale(kv_cache) for kv_cache in kv_caches]
+    bind_kv_caches(model, kv_caches, kv_scales)
+    return kv_caches + [s for s in kv_scales if s is not None and s.dim() > 1]

@@ -21,6 +21,7 @@ import torch
 
 from paged_runtime.attention import select_backend, uses_triton
 from paged_runtime.config import EngineConfig
+from paged_runtime.kernels import cpu as cpu_kernels
 from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
@@ -119,7 +120,8 @@ class Worker:
         c = self.spec.config
         budget = c.kv_cache_memory or free_memory(self.device, c.gpu_memory_utilization, self.placement.world_size)
         models = [self.model] + ([self.draft] if self.draft is not None else [])
-        num_blocks = num_kv_blocks(bytes_per_block(models, c.block_size, self.spec.dtype), c.block_size, budget,
+        per_block = bytes_per_block(models, c.block_size, self.spec.dtype, c.kv_cache_dtype)
+        num_blocks = num_kv_blocks(per_block, c.block_size, budget,
                                    self.spec.max_model_len, c.max_num_seqs, self.spec.blocks_per_request)
         return WorkerInfo(num_blocks, self.model.rope_switch, self.ops.name, self.attention_backend)
 
@@ -127,8 +129,12 @@ class Worker:
         """Allocate ``num_blocks`` blocks and build the runner."""
         spec, c = self.spec, self.spec.config
         num_slots = num_blocks * c.block_size
+        if c.kv_cache_dtype != "auto" and self.device.type == "cpu" and not c.enforce_eager:
+            # The torch backend reads an 8-bit cache through the compiled one-pass gather where it builds
+            # (whatever the op set); else in PyTorch, 2-4x slower per step at long contexts (measured).
+            cpu_kernels.load(c.cache_dir)
         drafter = None if self.draft is None else DraftModelProposer(
-            self.draft, allocate_kv_caches(self.draft, num_slots, spec.dtype, self.device))
+            self.draft, allocate_kv_caches(self.draft, num_slots, spec.dtype, self.device, c.kv_cache_dtype))
         # CUDA graphs capture one device's step; a parallel step's collectives are not captured.
         one_device = self.placement.world_size == 1
         graphs = (c.max_num_seqs, spec.max_model_len) if (
@@ -136,7 +142,7 @@ class Worker:
         max_blocks = -(-(spec.max_model_len + spec.lookahead) // c.block_size)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, self.device, spec.dtype, c.seed,
                                   self.attention_backend, max_blocks, drafter, graphs,
-                                  samples=self.placement.is_driver)
+                                  samples=self.placement.is_driver, kv_cache_dtype=c.kv_cache_dtype)
 
     def execute(self, out):
         return self.runner.execute(out)

@@ -1,0 +1,230 @@
+"""The 8-bit paged KV cache (``--kv-cache-dtype fp8 / int8``): the torch reference's round trip, the compiled
+CPU kernels against it on the same 8-bit cache (store bit for bit, attention to float32 summation order),
+the budget's exact bytes per block, and bad names refused with the choices."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_runtime.attention.torch_backend import AttentionMetadata, decode_group, paged_attention
+from paged_runtime.config import KV_CACHE_DTYPES, EngineConfig, default_cache_dir
+from paged_runtime.kernels import cpu, kv_quant
+
+E4M3 = torch.float8_e4m3fn
+QUANTIZED = ("fp8", "int8")
+
+
+def randn(*shape: int, seed: int = 0, std: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def empty_cache(name: str, num_slots: int, kv_heads: int, dim: int, dtype=torch.float32):
+    cache = torch.zeros(num_slots, 2, kv_heads, dim, dtype=kv_quant.cache_dtype(name, dtype))
+    return cache, kv_quant.allocate_scale(cache)
+
+
+# ---- the torch reference ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_round_trip_is_within_half_a_step_of_each_heads_scale(dtype):
+    k, v = randn(40, 3, 64, seed=1, std=3).to(dtype), randn(40, 3, 64, seed=2).to(dtype)
+    k[5, 1] = 0  # an all-zero head: scale 0, reads back 0
+    cache, scale = empty_cache("int8", 64, 3, 64, dtype)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:40]
+    kv_quant.store(k, v, cache, scale, slots)
+    x = torch.stack((k, v), dim=1).float()
+    assert torch.equal(scale[slots], x.abs().amax(-1) / 127)
+    back = kv_quant.gather(cache, scale, slots, torch.float32)
+    # A tie (x / scale = n + 0.5 exactly) is half a step away; + one float32 step of x for the arithmetic.
+    assert ((x - back).abs() <= scale[slots][..., None] / 2 + x.abs() * 2 ** -23).all()
+    assert cache[slots].abs().amax(-1)[scale[slots] > 0].eq(127).all()  # each head's absmax maps to +-127
+    assert torch.equal(back[5, 0, 1], torch.zeros(64))
+
+
+def test_fp8_stores_torchs_own_e4m3_rounding_of_x_over_the_scale_saturated():
+    k, v = randn(20, 2, 16, seed=4, std=100), randn(20, 2, 16, seed=5, std=0.01)
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 448.0, 1e-9])  # beyond e4m3's range saturates, tiny stays subnormal
+    cache, scale = empty_cache("fp8", 32, 2, 16)
+    scale.copy_(torch.tensor([2.0, 0.5]))  # (k_scale, v_scale)
+    slots = torch.arange(20) + 7
+    kv_quant.store(k, v, cache, scale, slots)
+    want_k = (k / 2.0).clamp(-448, 448).to(E4M3)
+    want_v = (v / 0.5).clamp(-448, 448).to(E4M3)
+    assert torch.equal(cache[slots, 0].view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(cache[slots, 1].view(torch.uint8), want_v.view(torch.uint8))
+    assert cache[7, 0, 0, :2].float().tolist() == [448.0, -448.0]
+    back = kv_quant.gather(cache, scale, slots, torch.float32)
+    assert torch.equal(back[:, 0], want_k.float() * 2.0) and torch.equal(back[:, 1], want_v.float() * 0.5)
+
+
+def test_auto_is_the_model_dtype_untouched():
+    cache, scale = empty_cache("auto", 8, 1, 4, torch.bfloat16)
+    assert cache.dtype == torch.bfloat16 and scale is None
+    assert kv_quant.cache_dtype("fp8_e4m3", torch.float16) == E4M3
+
+
+# ---- budget -------------------------------------------------------------------------------------
+
+def test_bytes_per_block_count_the_8_bit_values_and_int8_scales_exactly():
+    from torch import nn
+    from paged_runtime.layers.attention import Attention
+    from paged_runtime.worker.kv_budget import bytes_per_block, num_kv_blocks
+    model = nn.ModuleList([Attention(9, 3, 64, 0.125) for _ in range(30)])  # SmolLM2-135M's attention
+    per_block = {name: bytes_per_block([model], 16, torch.bfloat16, name) for name in KV_CACHE_DTYPES}
+    assert per_block["auto"] == 30 * 16 * 2 * 3 * 64 * 2 == 368640
+    assert per_block["fp8"] == per_block["fp8_e4m3"] == 368640 // 2
+    assert per_block["int8"] == 30 * 16 * 3 * (2 * 64 + 2 * 4) == 195840  # + a float32 scale per K/V head row
+    budget = 64 << 20
+    blocks = {name: num_kv_blocks(per_block[name], 16, budget, 2048, 256) for name in ("auto", "fp8", "int8")}
+    assert blocks == {"auto": 182, "fp8": 364, "int8": 342}
+
+
+# ---- the compiled CPU kernels on the same 8-bit cache --------------------------------------------
+
+kernels = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
+
+
+def filled_cache(name: str, dtype: torch.dtype, num_blocks: int, block_size: int, kv_heads: int, dim: int, seed: int):
+    cache, scale = empty_cache(name, num_blocks * block_size, kv_heads, dim, dtype)
+    if name == "fp8":
+        scale.copy_(torch.tensor([0.5, 1.5]))
+    k, v = (randn(num_blocks * block_size, kv_heads, dim, seed=seed + i).to(dtype) for i in range(2))
+    kv_quant.store(k, v, cache, scale, torch.arange(num_blocks * block_size))
+    return cache, scale
+
+
+@kernels
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 40)])
+def test_c_decode_attention_reads_the_8_bit_cache_as_the_torch_backend(name, dtype, heads, kv_heads, dim):
+    block_size, num_blocks = 16, 24
+    cache, scale = filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=heads + dim)
+    g = torch.Generator().manual_seed(dim)
+    lens = torch.tensor([1, 16, 17, 90, 200])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:13] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    out = cpu.cpu_paged_decode_attention(q, cache, tables, lens, block_size, dim ** -0.5, kv_scale=scale)
+    t = torch.arange(int(lens.max()))
+    gather = tables[:, t // block_size] * block_size + t % block_size
+    group = decode_group(0, gather, lens)
+    ref = group.attend(q.float(), cache, dim ** -0.5, kv_scale=scale)  # dequantized in fp32
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out.float() - ref).abs().max() <= tolerance
+
+
+@kernels
+def test_c_kernel_refuses_an_8_bit_cache_without_its_scales():
+    cache, _ = empty_cache("int8", 16, 1, 16)
+    with pytest.raises(ValueError, match="needs its contiguous float32 kv_scale"):
+        cpu.cpu_paged_decode_attention(torch.zeros(1, 1, 16), cache, torch.zeros(1, 1, dtype=torch.int64),
+                                       torch.tensor([1]), 16, 0.25)
+
+
+@kernels
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_layer_stores_the_same_8_bit_cache_as_torch(name, dtype):
+    """The one-op layer quantizes its K/V exactly as ``kv_quant.store`` (same bits, same scales) and attends
+    as the layer on PyTorch ops does over the same 8-bit cache."""
+    from paged_runtime.layers.linear import UnquantizedLinearMethod
+    from paged_runtime.layers.ops import TorchOps
+    from paged_runtime.layers.rotary import RotaryEmbedding
+    from paged_runtime.models.config import ModelConfig
+    from paged_runtime.models.llama import LlamaDecoderLayer
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 96, "intermediate_size": 160,
+        "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6})
+    device, ops = torch.device("cpu"), TorchOps()
+    rope = RotaryEmbedding(16, 512, config.rope_theta, None, ops, device)
+    layer = LlamaDecoderLayer(config, rope, ops, UnquantizedLinearMethod(ops), dtype, device)
+    g = torch.Generator().manual_seed(7)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    rows, block_size = 5, 16
+    lens = torch.tensor([1, 40, 200, 17, 33])
+    tables = torch.randperm(80, generator=g).view(5, 16)
+    positions = lens - 1
+    slots = tables[torch.arange(rows), positions // block_size] * block_size + positions % block_size
+    cache, scale = filled_cache(name, dtype, 80, block_size, 2, 16, seed=9)
+    x, residual = (torch.randn(rows, 96, generator=g).to(dtype) for _ in range(2))
+    t = torch.arange(int(lens.max()))
+    meta = AttentionMetadata(slots, [decode_group(0, tables[:, t // block_size] * block_size + t % block_size,
+                                                  lens)], [])
+    attn = layer.self_attn.attn
+    attn.kv_cache, attn.kv_scale = ref_cache, ref_scale = cache.clone(), scale.clone()
+    ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
+
+    plain = torch.zeros(cache.shape, dtype=dtype)  # the same layer with a model-dtype cache: the K/V it stores
+    cpu.cpu_decode_layer(x.clone(), residual.clone(), plain, layer.fused_weights(), positions, slots, tables, lens,
+                         rope.cos, rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
+    cpu.cpu_decode_layer(x, residual, cache, layer.fused_weights(), positions, slots, tables, lens, rope.cos,
+                         rope.sin, block_size, 6, 16 ** -0.5, 1e-6, kv_scale=scale)
+    want, want_scale = kv_quant.quantize(plain[slots], cache, scale)
+    assert torch.equal(kv_quant.as_bytes(cache[slots]), kv_quant.as_bytes(want))  # quantized bit for bit
+    if want_scale is not None:
+        assert torch.equal(scale[slots], want_scale)
+    others = torch.ones(len(cache), dtype=torch.bool).index_fill_(0, slots, False)
+    assert torch.equal(kv_quant.as_bytes(cache[others]), kv_quant.as_bytes(ref_cache[others]))
+    # The K/V themselves come from the kernels' own qkv product (another summation order than PyTorch's).
+    assert torch.allclose(kv_quant.gather(cache, scale, slots, torch.float32),
+                          kv_quant.gather(ref_cache, ref_scale, slots, torch.float32), rtol=0.07, atol=0.02)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -5
+    assert (x.float() - ref_x.float()).abs().max() <= tolerance * ref_x.float().abs().max()
+
+
+# ---- the torch backend reads what it stored -------------------------------------------------------
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_whole_prompt_attends_to_its_stored_8_bit_kv(name):
+    """A prompt without cached context attends over its dequantized cache rows (as Triton and the C kernel
+    read the cache), so a later prefix-cache hit sees exactly what the first request saw."""
+    from paged_runtime.attention.torch_backend import PrefillChunk, _attend
+    q, k, v = randn(6, 4, 32, seed=1), randn(6, 2, 32, seed=2), randn(6, 2, 32, seed=3)
+    cache, scale = empty_cache(name, 16, 2, 32)
+    slots = torch.tensor([3, 4, 5, 8, 9, 10])
+    out = paged_attention(q, k, v, cache, AttentionMetadata(slots, [], [PrefillChunk(0, 6, None, None, 6)]),
+                          0.2, kv_scale=scale)
+    back = kv_quant.gather(cache, scale, slots, torch.float32)
+    assert torch.equal(out, _attend(q, back[:, 0], back[:, 1], None, 0.2))
+
+
+# ---- names ----------------------------------------------------------------------------------------
+
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices(capsys):
+    from paged_runtime.entrypoints.cli import KV_CACHE_DTYPES as CLI_NAMES, build_parser
+    assert CLI_NAMES == KV_CACHE_DTYPES == tuple(kv_quant.CACHE_DTYPES)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, int8; got 'fp4'"):
+        EngineConfig(kv_cache_dtype="fp4")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'fp4'" in err and all(f"'{n}'" in err for n in KV_CACHE_DTYPES), err
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        kv_quant.cache_dtype("e5m2", torch.float32)
+    assert build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+
+
+def test_the_adapters_pass_the_kv_cache_dtype_to_the_engine():
+    pytest.importorskip("pydantic")
+    from rayserve_adapter.args import AppArgs
+    assert AppArgs(kv_cache_dtype="fp8").engine_config().kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        AppArgs(kv_cache_dtype="fp4")
+    kserve_args = pytest.importorskip("kserve_adapter.args")
+    assert kserve_args.build_parser().parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+
+
+@kernels
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_gather_reads_what_the_torch_gather_reads(name, dtype):
+    """``cpu_kv_gather`` (the torch backend's read on the CPU once the kernels load) is bit for bit the
+    PyTorch dequantization, fp8 with and without its scales."""
+    cache, scale = filled_cache(name, dtype, 6, 16, 3, 40, seed=11)
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:50]
+    values = kv_quant.as_bytes(cache).index_select(0, slots).view(cache.dtype)
+    scales = scale.index_select(0, slots) if name == "int8" else scale
+    assert torch.equal(cpu.cpu_kv_gather(cache, scale, slots, dtype), kv_quant.dequantize(values, scales, dtype))
+    if name == "fp8":
+        assert torch.equal(cpu.cpu_kv_gather(cache, None, slots, dtype), values.to(dtype))
