@@ -25,7 +25,6 @@ from paged_runtime.kernels import cpu as cpu_kernels
 from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
-from paged_runtime.kernels import cpu as cpu_kernels
 from paged_runtime.models.loader import GGUF_TYPES, load_model
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.worker.kv_budget import bytes_per_block, free_memory, num_kv_blocks
