@@ -143,8 +143,10 @@ PROMPTS = ["The capital of France is", "A lighthouse keeper's work began", "def 
 
 @pytest.fixture(scope="module")
 def smollm2_engines(smollm2_dir):
-    engines = {name: make_llm(smollm2_dir, dtype="bfloat16", kv_cache_dtype=name, max_model_len=1024,
-                              kv_cache_memory=64 << 20, debug_checks=False) for name in ("auto",) + NAMES}
+    """The dequantized weights (quantization="none"): the cache's rounding alone, not the GGUF kernels' too."""
+    engines = {name: make_llm(smollm2_dir, quantization="none", dtype="bfloat16", kv_cache_dtype=name,
+                              max_model_len=1024, kv_cache_memory=64 << 20, debug_checks=False)
+               for name in ("auto",) + NAMES}
     yield engines
     for llm in engines.values():
         llm.engine.core.shutdown()

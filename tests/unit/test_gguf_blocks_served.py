@@ -93,8 +93,8 @@ def greedy(llm) -> list[list[int]]:
 
 
 def engines(path, monkeypatch, tmp_path) -> dict:
-    """The file served from its blocks by the compiled kernels (chunks of 16 rows: every product is theirs),
-    by the torch definition (kernels off), and dequantized at load (the oracle)."""
+    """The file served from its blocks by the compiled kernels (steps of 16 tokens: several passes never
+    needed), by the torch definition (kernels off), and dequantized at load (the oracle)."""
     monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
     common = dict(max_model_len=96, kv_cache_memory=4 << 20, max_num_batched_tokens=16)
     return {"kernels": make_llm(path, **common), "torch": make_llm(path, cpu_kernels=False, **common),

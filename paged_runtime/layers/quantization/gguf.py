@@ -8,9 +8,9 @@ segment when every part has the same type (one kernel call), else one per run of
 hold attn_v in Q6_K beside q and k in Q4_K), whose outputs are concatenated.
 
 Multiplying: on the CPU, the compiled kernels (``kernels.cpu`` ``cpu_gguf_linear``) read the blocks directly
-(in passes of their row bound) for batches up to ``KERNEL_ROWS`` (by dtype), and larger batches dequantize
-each segment once per call (C) and run one GEMM (no dequantized copy is kept: the memory stays the file's);
-without the kernels (no compiler; CUDA) the torch definition dequantizes, then ``F.linear``.
+for every batch (in passes of their row bound); without them (no compiler; CUDA) each segment is dequantized
+per call (the torch definition) and multiplied by ``F.linear``. No dequantized copy is kept: the memory
+stays the file's.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from torch import nn
 from paged_runtime.layers.linear import LinearMethod
 from paged_runtime.layers.quantization.gguf_blocks import GgufType, dequantize, served_type
 
-# The most rows the kernels multiply (in passes of their row bound) before dequantizing each segment and one
-# GEMM take over, by activation dtype. Measured on a 2-core AMD EPYC without AVX-512 (1536 x 576 Q4_1, one
-# thread): float32 GEMM is fast, so dequantize + GEMM wins from ~32 rows; torch's bfloat16 GEMM there has no
-# native bf16 arithmetic and the kernels stay 3-6x faster at every size measured (16 to 512 rows).
-KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: None}  # None: every batch
+# Every batch goes through the kernels (in passes of their row bound), float32 too, where dequantize + GEMM
+# would win above ~32 rows: one arithmetic for every batch size, so a request's tokens never depend on what it
+# is batched with (chunked prefill, prefix hits, preemption). In bfloat16 the kernels are also the faster at
+# every size measured (1536 x 576 Q4_1, 16-512 rows, one thread on a 2-core AMD EPYC without AVX-512: 3-6x
+# torch's bf16 GEMM, which has no native bf16 arithmetic there).
 
 class GGUFLinearMethod(LinearMethod):
     """``kernels``: the compiled CPU ops (``paged_runtime.kernels.cpu``) when they loaded, else None."""
@@ -91,10 +91,7 @@ class GGUFLinearMethod(LinearMethod):
         return F.linear(x, self._dequantize(raw, qtype, k, x.dtype))
 
     def _kernels_take(self, x: torch.Tensor) -> bool:
-        if self.kernels is None or x.device.type != "cpu" or x.dtype not in KERNEL_ROWS:
-            return False
-        most = KERNEL_ROWS[x.dtype]
-        return most is None or len(x) <= most
+        return self.kernels is not None and x.device.type == "cpu" and x.dtype in self.kernels.DTYPES
 
     def _dequantize(self, raw: torch.Tensor, qtype: GgufType, k: int, dtype: torch.dtype) -> torch.Tensor:
         if self.kernels is not None and raw.device.type == "cpu" and dtype in self.kernels.DTYPES:
