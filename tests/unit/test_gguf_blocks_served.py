@@ -160,3 +160,20 @@ def test_an_unserved_type_is_refused_naming_it(tmp_path, monkeypatch):
         make_llm(tmp_path / "tq.gguf", max_model_len=96, kv_cache_memory=4 << 20)
     plain = make_llm(tmp_path / "tq.gguf", max_model_len=96, kv_cache_memory=4 << 20, quantization="none")
     assert len(greedy(plain)[0]) == 10
+
+
+@pytest.mark.parametrize("qtype", sorted(SERVED))
+def test_the_kernels_give_each_row_the_same_bits_in_any_batch(qtype):
+    """Why every batch goes through the kernels: a row's result is bit for bit the same whatever rows share
+    its call, so a request's tokens do not depend on what it is batched with."""
+    from paged_runtime.config import default_cache_dir
+    from paged_runtime.kernels import cpu
+    if not cpu.load(str(default_cache_dir())):
+        pytest.skip("no C compiler: the CPU kernels are off")
+    raw = torch.from_numpy(random_blocks(37, 512, qtype, np.random.default_rng(5)))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(16, 512, generator=torch.Generator().manual_seed(6)).to(dtype)
+        whole = cpu.cpu_gguf_linear(x, raw, None, SERVED[qtype].id, 512)
+        for start, rows in ((0, 1), (3, 2), (7, 3), (2, 5), (11, 4)):
+            part = cpu.cpu_gguf_linear(x[start:start + rows].contiguous(), raw, None, SERVED[qtype].id, 512)
+            assert torch.equal(part, whole[start:start + rows]), (dtype, start, rows)
