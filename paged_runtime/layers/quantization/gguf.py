@@ -27,6 +27,7 @@ from paged_runtime.layers.quantization.gguf_blocks import GgufType, dequantize, 
 # every size measured (1536 x 576 Q4_1, 16-512 rows, one thread on a 2-core AMD EPYC without AVX-512: 3-6x
 # torch's bf16 GEMM, which has no native bf16 arithmetic there).
 
+
 class GGUFLinearMethod(LinearMethod):
     """``kernels``: the compiled CPU ops (``paged_runtime.kernels.cpu``) when they loaded, else None."""
 
@@ -83,18 +84,18 @@ class GGUFLinearMethod(LinearMethod):
 
     def _multiply(self, x: torch.Tensor, raw: torch.Tensor, qtype: GgufType) -> torch.Tensor:
         k = x.shape[-1]
-        if self._kernels_take(x):
+        if self._kernels_take(x):  # the kernels read the blocks for every batch size
             step = self.kernels.gguf_max_rows()  # rows per call: each call streams the blocks once
             outs = [self.kernels.cpu_gguf_linear(x[i:i + step].contiguous(), raw, None, qtype.id, k)
                     for i in range(0, len(x), step)]
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         return F.linear(x, self._dequantize(raw, qtype, k, x.dtype))
 
-    def _kernels_take(self, x: torch.Tensor) -> bool:
-        return self.kernels is not None and x.device.type == "cpu" and x.dtype in self.kernels.DTYPES
+    def _kernels_take(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        return self.kernels is not None and t.device.type == "cpu" and (dtype or t.dtype) in self.kernels.DTYPES
 
     def _dequantize(self, raw: torch.Tensor, qtype: GgufType, k: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.kernels is not None and raw.device.type == "cpu" and dtype in self.kernels.DTYPES:
+        if self._kernels_take(raw, dtype):
             return self.kernels.cpu_gguf_dequantize(raw, qtype.id, k, dtype)
         return dequantize(raw, qtype, dtype)
 
