@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -68,10 +68,29 @@ static void thread_range(int64_t n, int64_t *begin, int64_t *end) {
     *end = *begin + per < n ? *begin + per : n;
 }
 
-/* ---- linear: out[m, n] = sum_k x[m, k] * w[n, k], m < M <= MAX_ROWS -------------------------- */
+/* ---- 16-float vectors: AVX-512 registers, or pairs of AVX2 ones ------------------------------- */
 
-#ifdef __AVX512F__
-static inline __m512 load16(const void *p, int64_t i, int dt) {
+/* The vector paths below are written once against V16 (16 fp32 lanes). With AVX-512F a V16 is one __m512;
+ * with AVX2 + FMA (every AVX2 CPU has FMA) it is two __m256, so the same loops run at half the width. Only
+ * their tails differ: AVX-512 masks them, AVX2 finishes them in scalar code. */
+#if defined(__AVX512F__)
+#define VEC16 1
+typedef __m512 V16;
+static inline V16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline V16 v16_set1(float a) { return _mm512_set1_ps(a); }
+static inline V16 v16_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v16_storef(float *p, V16 v) { _mm512_storeu_ps(p, v); }
+static inline V16 v16_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+static inline V16 v16_sub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+static inline V16 v16_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+static inline V16 v16_div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
+static inline V16 v16_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+static inline V16 v16_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b */
+static inline float v16_sum(V16 v) { return _mm512_reduce_add_ps(v); }
+static inline float v16_hmax(V16 v) { return _mm512_reduce_max_ps(v); }
+
+static inline V16 load16(const void *p, int64_t i, int dt) {
     if (dt == BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -87,25 +106,13 @@ static inline __m512 load16_masked(const void *p, int64_t i, int dt, __mmask16 m
     return _mm512_maskz_loadu_ps(m, (const float *)p + i);
 }
 
-/* exp(x): Cephes' expf polynomial, ~1 ulp; inputs below -87.3 give exp(-87.3) (adds nothing to a sum). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x); /* NaN in x stays NaN (max returns its second operand) */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
+/* round(x) to the nearest integer and 2^n * p */
+static inline V16 v16_round(V16 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline V16 v16_scale2(V16 p, V16 n) { return _mm512_scalef_ps(p, n); }
+static inline V16 v16_exp_cap(V16 x) { return x; } /* scalef saturates to inf by itself */
 
 /* v as PyTorch would hold it after storing it in dt (round to nearest even for bfloat16, NaN kept). */
-static inline __m512 round16(__m512 v, int dt) {
+static inline V16 round16(V16 v, int dt) {
     if (dt != BF16) return v;
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -115,32 +122,133 @@ static inline __m512 round16(__m512 v, int dt) {
 }
 
 /* Stores 16 values already rounded to dt. */
-static inline void store16(void *p, int64_t i, __m512 rounded, int dt) {
+static inline void store16(void *p, int64_t i, V16 rounded, int dt) {
     if (dt == BF16)
         _mm256_storeu_si256((__m256i *)((uint16_t *)p + i),
                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
     else _mm512_storeu_ps((float *)p + i, rounded);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC16 1
+typedef struct {
+    __m256 lo, hi;
+} V16;
+static inline V16 v16_pair(__m256 lo, __m256 hi) { return (V16){lo, hi}; }
+static inline V16 v16_zero(void) { return v16_pair(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline V16 v16_set1(float a) { return v16_pair(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+static inline V16 v16_loadf(const float *p) { return v16_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void v16_storef(float *p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline V16 v16_add(V16 a, V16 b) { return v16_pair(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline V16 v16_sub(V16 a, V16 b) { return v16_pair(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+static inline V16 v16_mul(V16 a, V16 b) { return v16_pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline V16 v16_div(V16 a, V16 b) { return v16_pair(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+/* NaN in b is kept: max returns its second operand when either is NaN */
+static inline V16 v16_max(V16 a, V16 b) { return v16_pair(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline V16 v16_fmadd(V16 a, V16 b, V16 c) {
+    return v16_pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { /* c - a * b */
+    return v16_pair(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline float v16_sum(V16 v) {
+    __m256 s = _mm256_add_ps(v.lo, v.hi);
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+static inline float v16_hmax(V16 v) {
+    __m256 s = _mm256_max_ps(v.lo, v.hi);
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+static inline __m256 bf16x8_to_f32(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline V16 load16(const void *p, int64_t i, int dt) {
+    if (dt == BF16) return v16_pair(bf16x8_to_f32((const uint16_t *)p + i), bf16x8_to_f32((const uint16_t *)p + i + 8));
+    return v16_loadf((const float *)p + i);
+}
+
+static inline __m256 round_half8(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline V16 v16_round(V16 x) { return v16_pair(round_half8(x.lo), round_half8(x.hi)); }
+/* 2^n * p for integral n in exp's range (n + 127 in 1..254 after exp16's clamp) */
+static inline __m256 scale2_8(__m256 p, __m256 n) {
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline V16 v16_scale2(V16 p, V16 n) { return v16_pair(scale2_8(p.lo, n.lo), scale2_8(p.hi, n.hi)); }
+/* exp(88) is finite (2^127 * p); above it the exponent would overflow: exp16 gives exp(88) there */
+static inline V16 v16_exp_cap(V16 x) {
+    return v16_pair(_mm256_min_ps(x.lo, _mm256_set1_ps(88.f)), _mm256_min_ps(x.hi, _mm256_set1_ps(88.f)));
+}
+
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+static inline V16 round16(V16 v, int dt) { return dt == BF16 ? v16_pair(round8_bf16(v.lo), round8_bf16(v.hi)) : v; }
+
+static inline __m128i bf16_bits8(__m256 rounded) { /* the high halves of 8 rounded floats */
+    __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+static inline void store16(void *p, int64_t i, V16 rounded, int dt) {
+    if (dt == BF16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), bf16_bits8(rounded.lo));
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i + 8), bf16_bits8(rounded.hi));
+    } else v16_storef((float *)p + i, rounded);
+}
+#endif
+
+#ifdef VEC16
+/* exp(x): Cephes' expf polynomial, ~1 ulp; inputs below -87.3 give exp(-87.3) (adds nothing to a sum). */
+static inline V16 exp16(V16 x) {
+    x = v16_max(v16_set1(-87.3f), x); /* NaN in x stays NaN (max returns its second operand) */
+    x = v16_exp_cap(x);
+    V16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f)));
+    V16 r = v16_fnmadd(n, v16_set1(0.693359375f), x);
+    r = v16_fnmadd(n, v16_set1(-2.12194440e-4f), r);
+    V16 p = v16_set1(1.9875691500e-4f);
+    p = v16_fmadd(p, r, v16_set1(1.3981999507e-3f));
+    p = v16_fmadd(p, r, v16_set1(8.3334519073e-3f));
+    p = v16_fmadd(p, r, v16_set1(4.1665795894e-2f));
+    p = v16_fmadd(p, r, v16_set1(1.6666665459e-1f));
+    p = v16_fmadd(p, r, v16_set1(5.0000001201e-1f));
+    p = v16_fmadd(p, v16_mul(r, r), v16_add(r, v16_set1(1.f)));
+    return v16_scale2(p, n);
+}
 
 /* One weight row against M fp32 rows of x; inlined per constant M so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dot_rows(const void *w, int64_t row, int64_t K, int dt,
                                                            const float *x, int M, float *sums) {
-    __m512 acc[8];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    V16 acc[8];
+    for (int m = 0; m < M; m++) acc[m] = v16_zero();
     const char *bytes = (const char *)w + row * K * (dt == BF16 ? 2 : 4);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         if (dt == F32 || (k & 16) == 0) /* once per 64-byte line */
             _mm_prefetch(bytes + k * (dt == BF16 ? 2 : 4) + PREFETCH, _MM_HINT_T0);
-        __m512 wv = load16(w, row * K + k, dt);
-        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
+        V16 wv = load16(w, row * K + k, dt);
+        for (int m = 0; m < M; m++) acc[m] = v16_fmadd(wv, v16_loadf(x + m * K + k), acc[m]);
     }
+#ifdef __AVX512F__
     if (k < K) {
         __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
         __m512 wv = load16_masked(w, row * K + k, dt, mask);
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m]);
     }
-    for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+    for (int m = 0; m < M; m++) sums[m] = v16_sum(acc[m]);
+#else
+    for (int m = 0; m < M; m++) {
+        sums[m] = v16_sum(acc[m]);
+        for (int64_t j = k; j < K; j++) sums[m] += load(w, row * K + j, dt) * x[m * K + j];
+    }
+#endif
 }
 #else
 static inline void dot_rows(const void *w, int64_t row, int64_t K, int dt, const float *x, int M, float *sums) {
@@ -265,13 +373,13 @@ static void silu_mul_range(const void *gate_up, void *out, float *xf, int64_t be
     for (int64_t m = begin / I; m * I < end; m++) {
         int64_t i = begin > m * I ? begin - m * I : 0, stop = end < (m + 1) * I ? end - m * I : I;
         const int64_t gate = m * 2 * I, up = gate + I;
-#ifdef __AVX512F__
+#ifdef VEC16
         for (; i + 16 <= stop; i += 16) {
-            __m512 g = load16(gate_up, gate + i, dt), one = _mm512_set1_ps(1.f);
-            __m512 s = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))), dt);
-            __m512 v = round16(_mm512_mul_ps(s, load16(gate_up, up + i, dt)), dt);
+            V16 g = load16(gate_up, gate + i, dt), one = v16_set1(1.f);
+            V16 s = round16(v16_div(g, v16_add(one, exp16(v16_sub(v16_zero(), g)))), dt);
+            V16 v = round16(v16_mul(s, load16(gate_up, up + i, dt)), dt);
             if (out) store16(out, m * I + i, v, dt);
-            if (xf) _mm512_storeu_ps(xf + m * I + i, v);
+            if (xf) v16_storef(xf + m * I + i, v);
         }
 #endif
         for (; i < stop; i++) {
@@ -320,11 +428,11 @@ static inline uint8_t f32_to_e4m3(float f) {
 }
 
 static float dot(const float *q, const void *k, int64_t dim, int dt) {
-#ifdef __AVX512F__
+#ifdef VEC16
     if (dim % 16 == 0) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < dim; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k, i, dt), acc);
-        return _mm512_reduce_add_ps(acc);
+        V16 acc = v16_zero();
+        for (int64_t i = 0; i < dim; i += 16) acc = v16_fmadd(v16_loadf(q + i), load16(k, i, dt), acc);
+        return v16_sum(acc);
     }
 #endif
     float s = 0.f;
@@ -333,11 +441,10 @@ static float dot(const float *q, const void *k, int64_t dim, int dt) {
 }
 
 static void axpy(float a, const void *v, float *acc, int64_t dim, int dt) {
-#ifdef __AVX512F__
+#ifdef VEC16
     if (dim % 16 == 0) {
-        __m512 av = _mm512_set1_ps(a);
-        for (int64_t i = 0; i < dim; i += 16)
-            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(av, load16(v, i, dt), _mm512_loadu_ps(acc + i)));
+        V16 av = v16_set1(a);
+        for (int64_t i = 0; i < dim; i += 16) v16_storef(acc + i, v16_fmadd(av, load16(v, i, dt), v16_loadf(acc + i)));
         return;
     }
 #endif
@@ -487,9 +594,41 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
     }
 }
 
-#ifdef __AVX512F__
+#ifdef VEC16
 #define MAX_CHUNKS 16 /* head_dim <= 256 */
 #define MAX_GROUP 64   /* query heads per KV head */
+
+/* row[t] = exp(row[t] - max(row)) for t < len; returns their sum. */
+static float softmax_unnormalized(float *row, int64_t len) {
+#ifdef __AVX512F__
+    __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+        m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, row + t));
+    }
+    m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), m));
+        _mm512_mask_storeu_ps(row + t, mask, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    }
+    return _mm512_reduce_add_ps(total);
+#else
+    int64_t whole = len / 16 * 16;
+    V16 m = v16_set1(-INFINITY), total = v16_zero();
+    for (int64_t t = 0; t < whole; t += 16) m = v16_max(v16_loadf(row + t), m);
+    float top = v16_hmax(m), sum = 0.f;
+    for (int64_t t = whole; t < len; t++) top = row[t] > top ? row[t] : top;
+    for (int64_t t = 0; t < whole; t += 16) {
+        V16 e = exp16(v16_sub(v16_loadf(row + t), v16_set1(top)));
+        v16_storef(row + t, e);
+        total = v16_add(total, e);
+    }
+    for (int64_t t = whole; t < len; t++) row[t] = expf(row[t] - top), sum += row[t];
+    return v16_sum(total) + sum;
+#endif
+}
 
 /* All query heads that share KV head g, for row b: each key and value is loaded and widened once for the
  * whole group. Scores for every head are kept (scratch: 2 * G * dim + G * len floats). Inlined per
@@ -503,45 +642,30 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     float *qf = scratch, *acc = qf + G * dim, *scores = acc + G * dim;
     for (int64_t i = 0; i < G * dim; i++) qf[i] = load(q, b * q_stride + g * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     const int64_t *table = P->block_tables + b * P->table_stride;
-    __m512 kv[MAX_CHUNKS];
+    V16 kv[MAX_CHUNKS];
     SlotWalk walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *key = (const char *)kv_cache + slot * 2 * row_bytes + head_bytes;
         for (int64_t c = 0; c < chunks; c++) kv[c] = load16(key, c * 16, dt);
         for (int64_t j = 0; j < G; j++) {
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + j * dim), kv[0]);
-            for (int64_t c = 1; c < chunks; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * dim + c * 16), kv[c], s);
-            scores[j * len + t] = cap(P, _mm512_reduce_add_ps(s));
+            V16 s = v16_mul(v16_loadf(qf + j * dim), kv[0]);
+            for (int64_t c = 1; c < chunks; c++) s = v16_fmadd(v16_loadf(qf + j * dim + c * 16), kv[c], s);
+            scores[j * len + t] = cap(P, v16_sum(s));
         }
     }
     float sums[MAX_GROUP];
-    for (int64_t j = 0; j < G; j++) {
-        float *row = scores + j * len;
-        __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
-            __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
-            m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, row + t));
-        }
-        m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        for (int64_t t = 0; t < len; t += 16) {
-            __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), m));
-            _mm512_mask_storeu_ps(row + t, mask, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
-        }
-        sums[j] = _mm512_reduce_add_ps(total);
-    }
+    for (int64_t j = 0; j < G; j++) sums[j] = softmax_unnormalized(scores + j * len, len);
     walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *value = (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes;
         for (int64_t c = 0; c < chunks; c++) kv[c] = load16(value, c * 16, dt);
         for (int64_t j = 0; j < G; j++) {
-            __m512 p = _mm512_set1_ps(scores[j * len + t]);
+            V16 p = v16_set1(scores[j * len + t]);
             for (int64_t c = 0; c < chunks; c++) {
                 float *a = acc + j * dim + c * 16;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(p, kv[c], _mm512_loadu_ps(a)));
+                v16_storef(a, v16_fmadd(p, kv[c], v16_loadf(a)));
             }
         }
     }
@@ -577,7 +701,7 @@ static int64_t attention_scratch(const Paged *P, int64_t max_len) {
 static void attend_part(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t B,
                         float *scratch, void *out, float *xf, int dt) {
     int64_t begin, end;
-#ifdef __AVX512F__
+#ifdef VEC16
     if (P->kv_dt == KV_MODEL && P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
         thread_range(B * P->kv_heads, &begin, &end);
         for (int64_t item = begin; item < end; item++)

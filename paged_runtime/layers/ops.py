@@ -319,6 +319,6 @@ def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | Non
     if use_kernels is False or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
         return TorchOps()
     if use_kernels is None and not cpu_kernels.has_vector_paths():
-        logger.info("this CPU lacks AVX-512, where the CPU kernels lose to PyTorch: using PyTorch ops")
+        logger.info("this CPU lacks AVX-512 and AVX2, where the CPU kernels lose to PyTorch: using PyTorch ops")
         return TorchOps()
     return CpuKernelOps() if cpu_kernels.load(str(cache_dir)) else TorchOps()
