@@ -83,9 +83,21 @@ class _Paged(ctypes.Structure):
                 ("softcap", _f32), ("kv_dt", _int), ("kv_scale", _ptr)]
 
 
+PLAIN = -1  # a fused layer's part in the model dtype (cpu_ops.c's PLAIN); others are GGUF type ids
+MAX_PARTS = 3  # parts of one fused-layer matrix (q | k | v); the struct sizes below are checked against the C
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("data", _ptr), ("rows", _i64), ("type", _i64)]
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("part", _Part * MAX_PARTS), ("parts", _i64)]
+
+
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr), ("post_norm", _ptr),
-                ("gate_up", _ptr), ("down", _ptr), ("hidden", _i64), ("intermediate", _i64), ("eps", _f32)]
+    _fields_ = [("input_norm", _ptr), ("qkv_bias", _ptr), ("post_norm", _ptr), ("qkv", _Matrix), ("o", _Matrix),
+                ("gate_up", _Matrix), ("down", _Matrix), ("hidden", _i64), ("intermediate", _i64), ("eps", _f32)]
 
 
 class _DecodeStep(ctypes.Structure):
@@ -398,10 +410,59 @@ def _kv_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[int
     return kv_dt, _p(kv_scale) if kv_dt else None
 
 
-@functools.lru_cache(maxsize=1024)
-def _layer_struct(pointers: tuple[int | None, ...], hidden: int, intermediate: int, eps: float) -> _LayerWeights:
-    # Keyed by everything the struct holds, so a hit is the very struct the arguments describe.
-    return _LayerWeights(*pointers, hidden, intermediate, eps)
+_LAYERS: dict[tuple, _LayerWeights] = {}  # checked layer structs by what they hold (see cpu_decode_layer)
+
+
+def _layer_struct(weights: list[torch.Tensor | None], layout: list[int], dtype: torch.dtype, heads: int, dim: int,
+                  eps: float) -> _LayerWeights:
+    """The struct of one layer's weights, checked (once: a decode step makes one call a layer, and the checks
+    cost more than the struct's lookup). Keyed by the weights' addresses and rows with the layout: a layer's
+    weights live as long as its model, so the same key is the same layer."""
+    key = (tuple((_p(w), None if w is None else w.shape[0]) for w in weights), tuple(layout), dtype, heads, dim,
+           eps)
+    layer = _LAYERS.get(key)
+    if layer is None:
+        if len(_LAYERS) >= 4096:  # models come and go in one process (tests): forget the old ones
+            _LAYERS.clear()
+        layer = _LAYERS[key] = _checked_layer(weights, layout, dtype, heads, dim, eps)
+    return layer
+
+
+def _checked_layer(weights: list[torch.Tensor | None], layout: list[int], dtype: torch.dtype, heads: int,
+                   dim: int, eps: float) -> _LayerWeights:
+    norms, parts = weights[:3], weights[3:]
+    if any(w is not None and not w.is_contiguous() for w in norms):
+        raise ValueError("cpu_decode_layer needs contiguous weights")
+    counts = layout[:4]
+    hidden = sum(w.shape[0] for w in parts[counts[0]:counts[0] + counts[1]])
+    intermediate = sum(w.shape[0] for w in parts[sum(counts[:2]):sum(counts[:3])]) // 2
+    matrices = _layer_matrices(parts, layout, dtype, (hidden, heads * dim, hidden, intermediate))
+
+    def matrix(parts):
+        return _Matrix((_Part * MAX_PARTS)(*(_Part(*part) for part in parts)), len(parts))
+    return _LayerWeights(*map(_p, norms), *map(matrix, matrices), hidden, intermediate, eps)
+
+
+def _layer_matrices(weights: list[torch.Tensor], layout: list[int], dtype: torch.dtype,
+                    inputs: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """(pointer, rows, type) of each part of qkv, o, gate_up and down (``inputs``: their K), checked."""
+    counts, types = layout[:4], layout[4:]
+    if len(counts) != 4 or not all(1 <= c <= MAX_PARTS for c in counts) or sum(counts) != len(types)\
+            or len(types) != len(weights):
+        raise ValueError(f"cpu_decode_layer's layout {layout} does not describe {len(weights)} weight parts")
+    matrices, at = [], 0
+    for count, k in zip(counts, inputs):
+        parts = []
+        for weight, qtype in zip(weights[at:at + count], types[at:at + count]):
+            if qtype == PLAIN:
+                if weight.dtype != dtype or weight.shape[-1] != k or not weight.is_contiguous():
+                    raise ValueError(f"a plain part must be a contiguous {dtype} [N, {k}] tensor")
+            else:
+                _gguf_weight(weight, qtype, k)
+            parts.append((weight.data_ptr(), weight.shape[0], qtype))
+        matrices.append(tuple(parts))
+        at += count
+    return tuple(matrices)
 
 
 @functools.lru_cache(maxsize=4)
@@ -414,30 +475,31 @@ def _step_struct(pointers: tuple[int, ...], rows: int, table_stride: int, block_
     return _DecodeStep(rows, positions, slots, cos, sin, paged)
 
 
-@_op("cpu_decode_layer(Tensor(a!) x, Tensor(b!) residual, Tensor(c!) kv_cache, Tensor?[] weights, "
+@_op("cpu_decode_layer(Tensor(a!) x, Tensor(b!) residual, Tensor(c!) kv_cache, Tensor?[] weights, int[] layout, "
      "Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, "
      "int block_size, int heads, float scale, float eps, int window=0, float softcap=0., "
      "Tensor(d!)? kv_scale=None) -> ()",
      lambda *args, **kwargs: None)
 def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
-                     weights: list[torch.Tensor | None], positions: torch.Tensor, slots: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     block_size: int, heads: int, scale: float, eps: float, window: int = 0,
+                     weights: list[torch.Tensor | None], layout: list[int], positions: torch.Tensor,
+                     slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, block_size: int, heads: int, scale: float, eps: float, window: int = 0,
                      softcap: float = 0., kv_scale: torch.Tensor | None = None) -> None:
     """A whole Llama decoder layer for up to max_rows() one-token query rows: stores their K/V, replaces x
     (the layer's input) by its output and advances residual (zeros before the first layer), in one call.
     ``window`` / ``softcap`` / ``kv_scale``: the layer's attention, as in ``cpu_paged_decode_attention`` (an
     8-bit cache's K/V quantized on store).
 
-    ``weights``: input norm, qkv, qkv bias (or None), o, post-attention norm, gate_up, down, all contiguous.
-    Index tensors int64 and cos / sin float32, contiguous (checked: the C code reads them raw)."""
+    ``weights``: input norm, qkv bias (or None), post-attention norm, then the parts of qkv, o, gate_up and
+    down, each matrix 1..MAX_PARTS parts stacked by output rows. ``layout``: the four matrices' part counts,
+    then each part's type: PLAIN (a contiguous [rows, K] tensor in x's dtype) or a GGUF type id (its blocks,
+    uint8 [rows, row bytes], multiplied as ``cpu_gguf_linear`` does: the same bits). Index tensors int64 and
+    cos / sin float32, contiguous (checked: the C code reads them raw)."""
     index = (positions, slots, block_tables, context_lens)
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index) or cos.dtype != torch.float32:
         raise ValueError("cpu_decode_layer takes contiguous int64 indices and float32 cos/sin tables")
-    if any(w is not None and not w.is_contiguous() for w in weights):
-        raise ValueError("cpu_decode_layer needs contiguous weights")
     _, _, kv_heads, dim = kv_cache.shape
-    layer = _layer_struct(tuple(map(_p, weights)), weights[3].shape[0], weights[6].shape[1], eps)
+    layer = _layer_struct(weights, layout, x.dtype, heads, dim, eps)
     step = _step_struct((_p(positions), _p(slots), _p(cos), _p(sin), _p(block_tables), _p(context_lens)),
                         positions.shape[0], block_tables.stride(0), block_size, heads, kv_heads, dim, scale,
                         window, softcap, *_kv_args(kv_cache, kv_scale))

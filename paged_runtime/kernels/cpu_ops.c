@@ -739,84 +739,6 @@ int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_ca
     return 0;
 }
 
-/* ---- one whole decoder layer for a decode step ---------------------------------------------- */
-
-typedef struct {
-    const void *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
-    int64_t hidden, intermediate;
-    float eps;
-} LayerWeights;
-
-typedef struct {
-    int64_t rows; /* M <= MAX_ROWS single-token decodes */
-    const int64_t *positions, *slots;
-    const float *cos, *sin;
-    Paged paged;
-} DecodeStep;
-
-/* x (this layer's input, the previous layer's output) is replaced by this layer's output; residual
- * carries the stream (zeros before the first layer). The same operations, in the same dtype roundings, as
- * DecoderLayer.forward with the per-operation kernels, in one parallel region: no interpreter between
- * operations, threads kept between them. Returns -2 if the work buffers cannot be allocated. */
-int pr_decode_layer(const LayerWeights *W, const DecodeStep *S, void *kv_cache, void *x, void *residual, int dt) {
-    const Paged *P = &S->paged;
-    int64_t M = S->rows, H = W->hidden, I = W->intermediate, dim = P->dim;
-    int64_t q_size = P->heads * dim, kv_size = P->kv_heads * dim, qkv_size = q_size + 2 * kv_size;
-    int64_t elem = dt == BF16 ? 2 : 4, widest = I > H ? (I > q_size ? I : q_size) : (H > q_size ? H : q_size);
-    int64_t per_thread = attention_scratch(P, max_context(P->context_lens, M)), threads = omp_get_max_threads();
-    if (M < 1 || M > MAX_ROWS) return -1;
-    /* fp32 input of the next linear | qkv (dt) | o / down output (dt) | gate_up (dt) | attention scratch */
-    char *work = alloc_lines(sizeof(float) * (M * widest + per_thread * threads) + elem * M * (qkv_size + H + 2 * I));
-    if (!work) return -2;
-    float *xf = (float *)work, *scratch = xf + M * widest;
-    char *qkv = (char *)(scratch + per_thread * threads), *attn_out = qkv + elem * M * qkv_size;
-    char *gate_up = attn_out + elem * M * H;
-#pragma omp parallel
-    {
-#pragma omp for
-        for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, W->input_norm, NULL, xf, m, H, W->eps, dt);
-        linear_part(W->qkv, W->qkv_bias, qkv_size, H, dt, xf, (int)M, qkv);
-#pragma omp barrier
-#pragma omp for
-        for (int64_t m = 0; m < M; m++) {
-            rope_row(qkv, qkv_size, S->positions[m], S->cos, S->sin, m, P->heads + P->kv_heads, dim, dt);
-            store_kv_row(P, qkv + elem * (m * qkv_size + q_size), qkv + elem * (m * qkv_size + q_size + kv_size),
-                         kv_cache, S->slots[m], dt);
-        }
-        attend_part(P, qkv, qkv_size, kv_cache, M, scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
-#pragma omp barrier
-        linear_part(W->o, NULL, H, q_size, dt, xf, (int)M, attn_out);
-#pragma omp barrier
-#pragma omp for
-        for (int64_t m = 0; m < M; m++) rms_norm_row(attn_out, residual, W->post_norm, NULL, xf, m, H, W->eps, dt);
-        linear_part(W->gate_up, NULL, 2 * I, H, dt, xf, (int)M, gate_up);
-#pragma omp barrier
-        {
-            int64_t begin, end;
-            thread_range(M * I, &begin, &end);
-            silu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
-        }
-#pragma omp barrier
-        linear_part(W->down, NULL, H, I, dt, xf, (int)M, x);
-    }
-    free(work);
-    return 0;
-}
-
-/* ---- what the Python loader reads instead of mirroring by hand -------------------------------- */
-
-/* 0: MAX_ROWS; 1, 2, 3: sizeof LayerWeights, DecodeStep, Paged (cpu.py checks its ctypes structs
- * against these and refuses a library that disagrees); -1 for anything else. */
-int64_t pr_abi(int what) {
-    switch (what) {
-    case 0: return MAX_ROWS;
-    case 1: return (int64_t)sizeof(LayerWeights);
-    case 2: return (int64_t)sizeof(DecodeStep);
-    case 3: return (int64_t)sizeof(Paged);
-    default: return -1;
-    }
-}
-
 /* ==== GGUF block-quantized weights ================================================================
  *
  * Weights stay in llama.cpp's GGUF blocks (ggml-common.h layouts): a weight is [N, row_bytes] bytes, row
@@ -1298,40 +1220,62 @@ static inline int gguf_vector(void) { return GGUF_AVX2 && !gguf_force_scalar; }
 /* 0 if qt is known and K a whole number of its blocks, else -1. */
 static int gguf_check(int64_t K, int qt) { return gguf_block_bytes(qt) && K > 0 && K % gguf_qk(qt) == 0 ? 0 : -1; }
 
+/* Scratch bytes for M rows of K inputs as int8 runs (GgufActs), and the split of such a buffer. */
+static int64_t gguf_acts_bytes(int64_t M, int64_t K) { return M * K + 2 * (int64_t)sizeof(float) * (M * K / 32); }
+static GgufActs gguf_acts(char *scratch, int64_t M, int64_t K) {
+    float *f = (float *)(scratch + M * K);
+    return (GgufActs){(int8_t *)scratch, f, f + M * K / 32};
+}
+
+/* Inside a parallel region (every thread calls it: a worksharing loop, with its barrier): x's M * K / 32
+ * runs (dt) quantized into a. */
+static void gguf_quantize_part(const void *x, int64_t M, int64_t K, int dt, GgufActs a) {
+    int vector = gguf_vector();
+    (void)vector; /* unused without AVX2 */
+#pragma omp for
+    for (int64_t i = 0; i < M * K / 32; i++) {
+#if GGUF_AVX2
+        if (vector) gguf_quantize_run_avx2(x, i, dt, a);
+        else
+#endif
+            gguf_quantize_run_scalar(x, i, dt, a);
+    }
+}
+
+/* Output columns [begin, end) of out (dt, rows N apart) = the M quantized rows a @ dequant(w).T (+ bias),
+ * w's row n giving column n. */
+static void gguf_linear_rows(const uint8_t *w, int qt, const void *bias, int64_t begin, int64_t end, int64_t N,
+                             int64_t K, GgufActs a, int M, void *out, int dt) {
+    int64_t row_bytes = K / gguf_qk(qt) * gguf_block_bytes(qt);
+    int vector = gguf_vector();
+    (void)vector;
+    float sums[GGUF_MAX_ROWS];
+    for (int64_t n = begin; n < end; n++) {
+        const uint8_t *row = w + n * row_bytes;
+#if GGUF_AVX2
+        if (vector) gguf_dot_any_avx2(row, K, qt, a, M, sums);
+        else
+#endif
+            gguf_dot_scalar(row, K, qt, a, M, sums);
+        float b = bias ? load(bias, n, dt) : 0.f;
+        for (int64_t m = 0; m < M; m++) store(out, m * N + n, sums[m] + b, dt);
+    }
+}
+
 /* out[M, N] = x[M, K] @ dequant(w[N, row bytes]).T (+ bias[N]); x, bias, out in dt. Returns -1 for an
  * unknown type, a K that is not whole blocks or M outside 1..GGUF_MAX_ROWS; -2 if scratch is not had. */
 int pr_gguf_linear(const void *x, const void *w, const void *bias, void *out, int64_t M, int64_t N, int64_t K,
                    int qt, int dt) {
     if (gguf_check(K, qt) || M < 1 || M > GGUF_MAX_ROWS) return -1;
-    int64_t runs = M * K / 32, bb = gguf_block_bytes(qt), row_bytes = K / gguf_qk(qt) * bb;
-    char *scratch = alloc_lines(M * K + 2 * sizeof(float) * runs);
+    char *scratch = alloc_lines(gguf_acts_bytes(M, K));
     if (!scratch) return -2;
-    GgufActs a = {(int8_t *)scratch, (float *)(scratch + M * K), (float *)(scratch + M * K) + runs};
-    int vector = gguf_vector();
-    (void)vector; /* unused without AVX2 */
+    GgufActs a = gguf_acts(scratch, M, K);
 #pragma omp parallel
     {
-#pragma omp for
-        for (int64_t i = 0; i < runs; i++) {
-#if GGUF_AVX2
-            if (vector) gguf_quantize_run_avx2(x, i, dt, a);
-            else
-#endif
-                gguf_quantize_run_scalar(x, i, dt, a);
-        }
+        gguf_quantize_part(x, M, K, dt, a);
         int64_t begin, end;
         thread_range(N, &begin, &end);
-        float sums[GGUF_MAX_ROWS];
-        for (int64_t n = begin; n < end; n++) {
-            const uint8_t *row = (const uint8_t *)w + n * row_bytes;
-#if GGUF_AVX2
-            if (vector) gguf_dot_any_avx2(row, K, qt, a, (int)M, sums);
-            else
-#endif
-                gguf_dot_scalar(row, K, qt, a, (int)M, sums);
-            float b = bias ? load(bias, n, dt) : 0.f;
-            for (int64_t m = 0; m < M; m++) store(out, m * N + n, sums[m] + b, dt);
-        }
+        gguf_linear_rows(w, qt, bias, begin, end, N, K, a, (int)M, out, dt);
     }
     free(scratch);
     return 0;
@@ -1368,6 +1312,139 @@ int64_t pr_gguf_abi(int what) {
     switch (what) {
     case 0: return GGUF_MAX_ROWS;
     case 1: return GGUF_AVX2;
+    default: return -1;
+    }
+}
+
+/* ---- one whole decoder layer for a decode step ---------------------------------------------- */
+
+/* A matrix of the layer as up to MAX_PARTS parts stacked by output rows (q | k | v, gate | up), each held
+ * as PLAIN weights (the model dtype, [rows, K]) or in a GGUF type's blocks ([rows, row bytes]). */
+enum { PLAIN = -1, MAX_PARTS = 3 };
+typedef struct {
+    const void *data;
+    int64_t rows, type;
+} Part;
+typedef struct {
+    Part part[MAX_PARTS];
+    int64_t parts;
+} Matrix;
+
+typedef struct {
+    const void *input_norm, *qkv_bias, *post_norm;
+    Matrix qkv, o, gate_up, down;
+    int64_t hidden, intermediate;
+    float eps;
+} LayerWeights;
+
+static int has_blocks(const Matrix *W) {
+    for (int64_t i = 0; i < W->parts; i++)
+        if (W->part[i].type != PLAIN) return 1;
+    return 0;
+}
+
+/* Inside the layer's parallel region (every thread calls it): out (dt, [M, N], N = the parts' rows) = xf
+ * (fp32, [M, K], values already rounded to dt) @ W.T (+ bias). GGUF parts take xf quantized into a (first,
+ * by all threads), exactly as pr_gguf_linear quantizes the dt tensor of the same values: the unfused path's
+ * arithmetic. Each thread computes one contiguous run of output columns across the parts. */
+static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, const float *xf, int M, GgufActs a,
+                        void *out) {
+    int64_t N = 0, begin, end, elem = dt == BF16 ? 2 : 4;
+    for (int64_t i = 0; i < W->parts; i++) N += W->part[i].rows;
+    if (has_blocks(W)) gguf_quantize_part(xf, M, K, F32, a);
+    thread_range(N, &begin, &end);
+    for (int64_t i = 0, first = 0; i < W->parts; first += W->part[i].rows, i++) {
+        const Part *part = &W->part[i];
+        int64_t lo = begin > first ? begin - first : 0, hi = end - first < part->rows ? end - first : part->rows;
+        if (lo >= hi) continue;
+        /* the part's columns: out and bias shifted by its first row, rows still N apart */
+        void *cols = (char *)out + first * elem;
+        const void *b = bias ? (const char *)bias + first * elem : NULL;
+        if (part->type == PLAIN) linear_rows(part->data, b, lo, hi, N, K, dt, xf, M, cols);
+        else gguf_linear_rows(part->data, (int)part->type, b, lo, hi, N, K, a, M, cols, dt);
+    }
+}
+
+/* 0 if every part's type is PLAIN or known and K whole blocks of it, at most MAX_PARTS parts; else -1. */
+static int matrix_check(const Matrix *W, int64_t K) {
+    if (W->parts < 1 || W->parts > MAX_PARTS) return -1;
+    for (int64_t i = 0; i < W->parts; i++)
+        if (W->part[i].type != PLAIN && gguf_check(K, (int)W->part[i].type)) return -1;
+    return 0;
+}
+
+typedef struct {
+    int64_t rows; /* M <= MAX_ROWS single-token decodes */
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    Paged paged;
+} DecodeStep;
+
+/* x (this layer's input, the previous layer's output) is replaced by this layer's output; residual
+ * carries the stream (zeros before the first layer). The same operations, in the same dtype roundings, as
+ * DecoderLayer.forward with the per-operation kernels, in one parallel region: no interpreter between
+ * operations, threads kept between them. Returns -2 if the work buffers cannot be allocated. */
+int pr_decode_layer(const LayerWeights *W, const DecodeStep *S, void *kv_cache, void *x, void *residual, int dt) {
+    const Paged *P = &S->paged;
+    int64_t M = S->rows, H = W->hidden, I = W->intermediate, dim = P->dim;
+    int64_t q_size = P->heads * dim, kv_size = P->kv_heads * dim, qkv_size = q_size + 2 * kv_size;
+    int64_t elem = dt == BF16 ? 2 : 4, widest = I > H ? (I > q_size ? I : q_size) : (H > q_size ? H : q_size);
+    int64_t per_thread = attention_scratch(P, max_context(P->context_lens, M)), threads = omp_get_max_threads();
+    if (M < 1 || M > MAX_ROWS || matrix_check(&W->qkv, H) || matrix_check(&W->o, q_size) ||
+        matrix_check(&W->gate_up, H) || matrix_check(&W->down, I))
+        return -1;
+    /* fp32 input of the next linear | attention scratch | qkv (dt) | o / down output (dt) | gate_up (dt) |
+     * that input as int8 runs, for GGUF parts */
+    int64_t floats = M * widest + per_thread * threads, dts = elem * M * (qkv_size + H + 2 * I);
+    char *work = alloc_lines(sizeof(float) * floats + dts + gguf_acts_bytes(M, widest));
+    if (!work) return -2;
+    float *xf = (float *)work, *scratch = xf + M * widest;
+    char *qkv = (char *)(scratch + per_thread * threads), *attn_out = qkv + elem * M * qkv_size;
+    char *gate_up = attn_out + elem * M * H;
+    char *acts_at = (char *)work + sizeof(float) * floats + dts;
+    GgufActs acts[3] = {gguf_acts(acts_at, M, H), gguf_acts(acts_at, M, q_size), gguf_acts(acts_at, M, I)};
+#pragma omp parallel
+    {
+#pragma omp for
+        for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, W->input_norm, NULL, xf, m, H, W->eps, dt);
+        matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, acts[0], qkv);
+#pragma omp barrier
+#pragma omp for
+        for (int64_t m = 0; m < M; m++) {
+            rope_row(qkv, qkv_size, S->positions[m], S->cos, S->sin, m, P->heads + P->kv_heads, dim, dt);
+            store_kv_row(P, qkv + elem * (m * qkv_size + q_size), qkv + elem * (m * qkv_size + q_size + kv_size),
+                         kv_cache, S->slots[m], dt);
+        }
+        attend_part(P, qkv, qkv_size, kv_cache, M, scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
+#pragma omp barrier
+        matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, acts[1], attn_out);
+#pragma omp barrier
+#pragma omp for
+        for (int64_t m = 0; m < M; m++) rms_norm_row(attn_out, residual, W->post_norm, NULL, xf, m, H, W->eps, dt);
+        matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, acts[0], gate_up);
+#pragma omp barrier
+        {
+            int64_t begin, end;
+            thread_range(M * I, &begin, &end);
+            silu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
+        }
+#pragma omp barrier
+        matrix_part(&W->down, NULL, I, dt, xf, (int)M, acts[2], x);
+    }
+    free(work);
+    return 0;
+}
+
+/* ---- what the Python loader reads instead of mirroring by hand -------------------------------- */
+
+/* 0: MAX_ROWS; 1, 2, 3: sizeof LayerWeights, DecodeStep, Paged (cpu.py checks its ctypes structs
+ * against these and refuses a library that disagrees); -1 for anything else. */
+int64_t pr_abi(int what) {
+    switch (what) {
+    case 0: return MAX_ROWS;
+    case 1: return (int64_t)sizeof(LayerWeights);
+    case 2: return (int64_t)sizeof(DecodeStep);
+    case 3: return (int64_t)sizeof(Paged);
     default: return -1;
     }
 }

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paged_runtime.kernels.cpu import PLAIN
 from paged_runtime.layers.ops import TorchOps
 
 
@@ -71,6 +72,15 @@ class LinearMethod:
         """Make the LM head ``layer`` multiply by ``embedding``'s weights (a model that ties them)."""
         layer.weight = embedding.weight
 
+    # Whether ``fused_parts`` describes this method's weights, so a model can run its decoder layers as one op.
+    fusable = False
+
+    def fused_parts(self, layer: LinearBase) -> list[tuple[torch.Tensor, int]]:
+        """The layer's weight as the one-op decoder layer reads it (``kernels.cpu.cpu_decode_layer``): parts
+        stacked by output rows, each (tensor, type): ``PLAIN`` (a [rows, input_size] tensor in the model
+        dtype) or a GGUF type id (its blocks). Only for methods with ``fusable``."""
+        raise NotImplementedError
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Plain weights in the model dtype, multiplied by the op set (which may keep a packed copy)."""
@@ -87,6 +97,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.ops.linear(x, layer.weight, bias, layer.packed_weight)
+
+    fusable = True
+
+    def fused_parts(self, layer: LinearBase) -> list[tuple[torch.Tensor, int]]:
+        return [(layer.weight, PLAIN)]
 
 
 class LinearBase(nn.Module):

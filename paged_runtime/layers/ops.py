@@ -239,14 +239,15 @@ class CpuKernelOps(TorchOps):
 
     @staticmethod
     def decoder_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
-                      weights: list[torch.Tensor | None], eps: float, meta, rope_tables, heads: int,
-                      scale: float, window: int | None = None, kv_scale: torch.Tensor | None = None) -> None:
+                      weights: tuple[list[torch.Tensor | None], list[int]], eps: float, meta, rope_tables,
+                      heads: int, scale: float, window: int | None = None,
+                      kv_scale: torch.Tensor | None = None) -> None:
         """One Llama decoder layer over the step's rows, in place (x: input -> output; residual advanced);
         its attention over each row's last ``window`` tokens when given (Mistral's sliding window); an 8-bit
-        cache with its ``kv_scale``."""
+        cache with its ``kv_scale``. ``weights``: the op's (weights, layout) (``cpu_decode_layer``)."""
         cos, sin = rope_tables
         rows = meta.decode_rows
-        cpu_kernels.cpu_decode_layer(x, residual, kv_cache, weights, meta.positions, meta.slot_mapping,
+        cpu_kernels.cpu_decode_layer(x, residual, kv_cache, *weights, meta.positions, meta.slot_mapping,
                                      rows.block_tables, rows.context_lens, cos, sin, meta.block_size, heads,
                                      scale, eps, window or 0, 0., kv_scale)
 

@@ -72,6 +72,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(c, ops, method, dtype, device, tp, layer_index)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
+        self._fused_weights = None  # fused_weights(), gathered at the first one-op step
 
     def make_mlp(self, c: ModelConfig, ops: TorchOps, method, dtype, device, tp: TensorParallel,
                  layer_index: int) -> nn.Module:
@@ -85,11 +86,21 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(x, rope, meta), residual)
         return self.mlp(x), residual
 
-    def fused_weights(self) -> list[torch.Tensor | None]:
-        """The tensors of the one-op layer (``ops.decoder_layer``), in its order."""
+    def fused_weights(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """The one-op layer's (weights, layout) (``ops.decoder_layer``): the norms and qkv bias, then each
+        matrix's parts as its linear method holds them. Gathered once (weights are fixed once loaded; a decode
+        step asks 30 times, at ~50 us each)."""
+        if self._fused_weights is None:
+            self._fused_weights = self._gather_fused_weights()
+        return self._fused_weights
+
+    def _gather_fused_weights(self) -> tuple[list[torch.Tensor | None], list[int]]:
         a, m = self.self_attn, self.mlp
-        return [self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                self.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight]
+        matrices = [linear.method.fused_parts(linear) for linear in (a.qkv_proj, a.o_proj, m.gate_up_proj,
+                                                                       m.down_proj)]
+        parts = [part for matrix in matrices for part in matrix]
+        weights = [self.input_layernorm.weight, a.qkv_proj.bias, self.post_attention_layernorm.weight]
+        return weights + [t for t, _ in parts], [len(matrix) for matrix in matrices] + [kind for _, kind in parts]
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor, meta) -> None:
         """The whole layer as one op, in place: x from input to output, residual advanced."""
@@ -123,10 +134,9 @@ class LlamaForCausalLM(nn.Module):
                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
                         lambda: ParallelLMHead(config.vocab_size, config.hidden_size,
                                                vocab or UnquantizedLinearMethod(self.ops), dtype, device, tp))
-        # Only unquantized weights, a plain rotary (whole heads, one table) and one rank (the op has no
-        # all-reduce) fit the one-op layer.
-        self.fusable = (self.one_op_layer and self.rotary.one_table and type(method) is UnquantizedLinearMethod
-                        and tp.size == 1)
+        # Only weights the op reads (plain, GGUF blocks), a plain rotary (whole heads, one table) and one rank
+        # (the op has no all-reduce) fit the one-op layer.
+        self.fusable = self.one_op_layer and self.rotary.one_table and method.fusable and tp.size == 1
 
     def init_stage(self, stage: PipelineStage, embedding, decoder_layer, norm, lm_head) -> None:
         """Build the modules pipeline stage ``stage`` holds (each argument makes one); the others are None

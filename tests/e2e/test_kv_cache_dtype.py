@@ -162,13 +162,22 @@ def test_8_bit_kv_perplexity_is_within_2_percent_of_bfloat16(smollm2_engines):
 
 
 def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines):
-    """Not all 16 tokens: a real near-tie late in a completion may flip (fp8 measured 16, 15, 13, 16 tokens
-    before its first difference); a wrong read of the cache diverges at once."""
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = {n: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    """Greedy tokens equal bfloat16's until a near-tie: where a completion first differs, the 8-bit cache's
+    token was within 0.5 nats of bfloat16's choice under bfloat16's own distribution (measured: fp8 16, 2,
+    13, 16 tokens before a first difference, its tokens there 0.25 nats behind). A wrong read of the cache
+    diverges at once, to a token bfloat16 finds far less likely."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
+    outs = {n: [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
             for n, llm in smollm2_engines.items()}
     for name in NAMES:
-        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+        same = [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids))
                 for x, y in zip(outs["auto"], outs[name])]
         print(f"\n{name} KV: tokens matching bfloat16 before the first difference (of 16):", same)
-        assert min(same) >= 8, same
+        assert min(same) >= 1, same
+        for ref, out, i in zip(outs["auto"], outs[name], same):
+            if i < len(ref.token_ids):
+                choices = ref.logprobs[i]  # bfloat16's top 5 where the completions part
+                gap = choices[ref.token_ids[i]].logprob - choices[out.token_ids[i]].logprob \
+                    if out.token_ids[i] in choices else float("inf")
+                print(f"  at token {i}: {name}'s choice {gap:.3f} nats behind bfloat16's")
+                assert gap <= 0.5, (name, i, gap)

@@ -117,10 +117,11 @@ def test_attention_reads_strided_query_rows():
     assert torch.allclose(out, gathered_attention(q, kv_cache, tables, lens, block_size, 0.125), atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
-def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
-    """One ``cpu_decode_layer`` op = LlamaDecoderLayer.forward on TorchOps: output, residual and stored K/V."""
+def _decode_layer_case(dtype, rows, method=None, parts=None):
+    """A Llama decoder layer (hidden 96, 6 query / 2 KV heads of 16, intermediate 160) with random weights
+    (``parts(name, rows, k) -> (blocks, type id)``: GGUF blocks of each part for ``method``), ``rows``
+    decode rows over ragged contexts; returns (layer, rope, the op's step arguments, the PyTorch path's
+    x, residual and cache after the step, the op's inputs)."""
     from paged_runtime.attention.torch_backend import AttentionMetadata, decode_group
     from paged_runtime.layers.linear import UnquantizedLinearMethod
     from paged_runtime.layers.rotary import RotaryEmbedding
@@ -132,10 +133,21 @@ def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
         "attention_bias": True})
     cpu_device, ops = torch.device("cpu"), TorchOps()
     rope = RotaryEmbedding(16, 512, config.rope_theta, None, ops, cpu_device)
-    layer = LlamaDecoderLayer(config, rope, ops, UnquantizedLinearMethod(ops), dtype, cpu_device)
+    layer = LlamaDecoderLayer(config, rope, ops, method or UnquantizedLinearMethod(ops), dtype, cpu_device)
     g = torch.Generator().manual_seed(rows)
     for p in layer.parameters():
-        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if p.dtype == dtype:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    if parts is not None:
+        a, m = layer.self_attn, layer.mlp
+        for linear, shards in ((a.qkv_proj, {"q": 96, "k": 32, "v": 32}), (a.o_proj, {"o": 96}),
+                               (m.gate_up_proj, {0: 160, 1: 160}), (m.down_proj, {"down": 96})):
+            for name, rows_ in shards.items():
+                raw, qtype = parts(name, rows_, linear.input_size)
+                shard = name if name not in ("o", "down") else None
+                linear.qweight.weight_loader(linear.qweight, raw, shard)
+                linear.qweight_type.weight_loader(linear.qweight_type, torch.full((len(raw),), qtype), shard)
+            linear.process_weights_after_loading()
     block_size, lens = 16, torch.tensor([1, 40, 200, 17, 16, 33, 90, 5, 64, 2, 150][:rows])
     tables = torch.randperm(192, generator=g).view(12, 16)[:rows]  # each row owns its blocks
     positions = lens - 1
@@ -147,15 +159,68 @@ def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
     meta = AttentionMetadata(slots, [decode_group(0, gather, lens)], [])
     layer.self_attn.attn.kv_cache = ref_cache = kv_cache.clone()
     ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
+    step = (positions, slots, tables, lens, rope.cos, rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
+    return layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache)
 
-    cpu.cpu_decode_layer(x, residual, kv_cache, layer.fused_weights(), positions, slots, tables, lens, rope.cos,
-                         rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
+    """One ``cpu_decode_layer`` op = LlamaDecoderLayer.forward on TorchOps: output, residual and stored K/V."""
+    layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache) = _decode_layer_case(dtype, rows)
+    cpu.cpu_decode_layer(x, residual, kv_cache, *layer.fused_weights(), *step)
     assert close(kv_cache, ref_cache, dtype)
     assert close(residual, ref_residual, dtype)
     if dtype == torch.float32:
         assert close(x, ref_x, dtype)
     else:  # a whole layer of bfloat16 roundings, taken in a different summation order: a few steps apart
         assert (x.float() - ref_x.float()).abs().max() <= 2 ** -5 * ref_x.float().abs().max()
+
+
+# Five 32-weight types over the layer's matrices; q and k in one type, v in another: qkv is two parts.
+_GGUF_LAYER_TYPES = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_0", 0: "Q5_1", 1: "Q5_1", "down": "Q5_0"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 11])
+def test_fused_decode_layer_takes_gguf_blocks(dtype, rows):
+    """The one-op layer reads GGUF parts (a two-part qkv of mixed types too) as the GGUF method multiplies
+    them, ``cpu_gguf_linear``: the same layer, its linears on the GGUF kernels and the rest on PyTorch ops,
+    gives what the op gives, within the rounding of the PyTorch ops alone."""
+    import numpy as np
+    from paged_runtime.kernels.gguf_types import gguf_type, row_bytes
+    from paged_runtime.layers.quantization.gguf import GGUFLinearMethod
+    rng = np.random.default_rng(rows)
+
+    def parts(name, n, k):
+        t = gguf_type(_GGUF_LAYER_TYPES[name])
+        raw = rng.integers(0, 256, size=(n, row_bytes(t, k)), dtype=np.uint8)
+        blocks = raw.reshape(-1, t.block_bytes)
+        blocks[:, :2] = np.full((len(blocks), 1), 0.02, np.float16).view(np.uint8)  # d of every 32-type
+        if t.name in ("Q4_1", "Q5_1"):
+            blocks[:, 2:4] = np.full((len(blocks), 1), -0.15, np.float16).view(np.uint8)  # and its min
+        return torch.from_numpy(raw), t.id
+
+    layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache) = _decode_layer_case(
+        dtype, rows, GGUFLinearMethod(cpu), parts)
+    weights, layout = layer.fused_weights()
+    assert layout[:4] == [2, 1, 1, 1] and sorted(set(layout[4:])) == [2, 3, 6, 7, 8]  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0
+    cpu.cpu_decode_layer(x, residual, kv_cache, weights, layout, *step)
+    assert close(kv_cache, ref_cache, dtype)
+    assert close(residual, ref_residual, dtype)
+    if dtype == torch.float32:
+        assert close(x, ref_x, dtype)
+    else:
+        assert (x.float() - ref_x.float()).abs().max() <= 2 ** -5 * ref_x.float().abs().max()
+
+
+def test_fused_decode_layer_refuses_a_layout_its_weights_do_not_match():
+    layer, step, _, (x, residual, kv_cache) = _decode_layer_case(torch.float32, 1)
+    weights, layout = layer.fused_weights()
+    with pytest.raises(ValueError, match="layout"):
+        cpu.cpu_decode_layer(x, residual, kv_cache, weights, [2, 1, 1, 1] + layout[4:], *step)
+    with pytest.raises(ValueError, match="uint8"):  # a plain matrix called Q4_0 blocks
+        cpu.cpu_decode_layer(x, residual, kv_cache, weights, layout[:4] + [2] + layout[5:], *step)
 
 
 def test_library_is_cached_by_folder_and_falls_back_without_a_compiler(tmp_path, monkeypatch):

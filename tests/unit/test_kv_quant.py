@@ -156,9 +156,9 @@ def test_fused_decode_layer_stores_the_same_8_bit_cache_as_torch(name, dtype):
     ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
 
     plain = torch.zeros(cache.shape, dtype=dtype)  # the same layer with a model-dtype cache: the K/V it stores
-    cpu.cpu_decode_layer(x.clone(), residual.clone(), plain, layer.fused_weights(), positions, slots, tables, lens,
+    cpu.cpu_decode_layer(x.clone(), residual.clone(), plain, *layer.fused_weights(), positions, slots, tables, lens,
                          rope.cos, rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
-    cpu.cpu_decode_layer(x, residual, cache, layer.fused_weights(), positions, slots, tables, lens, rope.cos,
+    cpu.cpu_decode_layer(x, residual, cache, *layer.fused_weights(), positions, slots, tables, lens, rope.cos,
                          rope.sin, block_size, 6, 16 ** -0.5, 1e-6, kv_scale=scale)
     want, want_scale = kv_quant.quantize(plain[slots], cache, scale)
     assert torch.equal(kv_quant.as_bytes(cache[slots]), kv_quant.as_bytes(want))  # quantized bit for bit

@@ -34,6 +34,15 @@ class GGUFLinearMethod(LinearMethod):
     def __init__(self, kernels=None) -> None:
         self.kernels = kernels
 
+    @property
+    def fusable(self) -> bool:
+        """The one-op decoder layer multiplies blocks as ``cpu_gguf_linear`` does (the same bits), so it
+        takes them wherever these kernels run."""
+        return self.kernels is not None
+
+    def fused_parts(self, layer: nn.Module) -> list[tuple[torch.Tensor, int]]:
+        return [(raw, qtype.id) for qtype, raw in self.segments(layer)]
+
     def vocab_method(self) -> LinearMethod:
         return self  # the embedding and LM head keep their blocks too
 
