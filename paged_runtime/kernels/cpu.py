@@ -68,7 +68,7 @@ _SIGNATURES = {
     "pr_silu_mul": ([_ptr, _ptr, _i64, _i64, _int], None),
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                                    _f32, _ptr, _int, _int, _ptr], _int),
-    "pr_decode_layer": ([_ptr, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "pr_decode_layers": ([_ptr, _i64, _ptr, _ptr, _ptr, _int], _int),
     "pr_gguf_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int], _int),
     "pr_gguf_dequantize": ([_ptr, _ptr, _i64, _i64, _int, _int], _int),
     "pr_gguf_force_scalar": ([_int], None),
@@ -105,7 +105,11 @@ class _DecodeStep(ctypes.Structure):
                 ("paged", _Paged)]
 
 
-_ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged}  # pr_abi(i) must equal sizeof these
+class _StackLayer(ctypes.Structure):
+    _fields_ = [("weights", ctypes.POINTER(_LayerWeights)), ("kv_cache", _ptr), ("kv_scale", _ptr), ("window", _i64)]
+
+
+_ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged, 4: _StackLayer}  # pr_abi(i) must equal sizeof these
 
 
 class _Loaded:
@@ -410,26 +414,9 @@ def _kv_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[int
     return kv_dt, _p(kv_scale) if kv_dt else None
 
 
-_LAYERS: dict[tuple, _LayerWeights] = {}  # checked layer structs by what they hold (see cpu_decode_layer)
-
-
-def _layer_struct(weights: list[torch.Tensor | None], layout: list[int], dtype: torch.dtype, heads: int, dim: int,
-                  eps: float) -> _LayerWeights:
-    """The struct of one layer's weights, checked (once: a decode step makes one call a layer, and the checks
-    cost more than the struct's lookup). Keyed by the weights' addresses and rows with the layout: a layer's
-    weights live as long as its model, so the same key is the same layer."""
-    key = (tuple((_p(w), None if w is None else w.shape[0]) for w in weights), tuple(layout), dtype, heads, dim,
-           eps)
-    layer = _LAYERS.get(key)
-    if layer is None:
-        if len(_LAYERS) >= 4096:  # models come and go in one process (tests): forget the old ones
-            _LAYERS.clear()
-        layer = _LAYERS[key] = _checked_layer(weights, layout, dtype, heads, dim, eps)
-    return layer
-
-
 def _checked_layer(weights: list[torch.Tensor | None], layout: list[int], dtype: torch.dtype, heads: int,
                    dim: int, eps: float) -> _LayerWeights:
+    """The struct of one layer's weights (see ``cpu_decode_layer``), checked."""
     norms, parts = weights[:3], weights[3:]
     if any(w is not None and not w.is_contiguous() for w in norms):
         raise ValueError("cpu_decode_layer needs contiguous weights")
@@ -475,38 +462,85 @@ def _step_struct(pointers: tuple[int, ...], rows: int, table_stride: int, block_
     return _DecodeStep(rows, positions, slots, cos, sin, paged)
 
 
-@_op("cpu_decode_layer(Tensor(a!) x, Tensor(b!) residual, Tensor(c!) kv_cache, Tensor?[] weights, int[] layout, "
-     "Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, "
-     "int block_size, int heads, float scale, float eps, int window=0, float softcap=0., "
-     "Tensor(d!)? kv_scale=None) -> ()",
+_STACKS: dict[tuple, ctypes.Array] = {}  # built layer stacks by what they point to (see _stack)
+
+
+def _stack(kv_caches: list[torch.Tensor], weights: list[torch.Tensor | None], layout: list[int],
+           windows: list[int], kv_scales: list[torch.Tensor], dtype: torch.dtype, heads: int, eps: float):
+    """The StackLayer array of one step's layers, checked and built once per model and cache: a step looks it
+    up by the tensors' addresses (~40 us for 30 layers, where an op a layer cost ~55 us each in dispatch
+    alone). A model's weights and caches live as long as it does, so the same addresses (with the same
+    layout, sizes and dtype) are the same layers."""
+    key = (tuple(map(_p, weights)), tuple(layout), tuple(map(_p, kv_caches)), tuple(map(_p, kv_scales)),
+           tuple(windows), dtype, heads, eps, kv_caches[0].shape, weights[0].shape)
+    stack = _STACKS.get(key)
+    if stack is not None:
+        return stack
+    if len(windows) != len(kv_caches) or (kv_scales and len(kv_scales) != len(kv_caches)):
+        raise ValueError("cpu_decode_layers takes one window (and one kv_scale with an 8-bit cache) a layer")
+    layers, at, w_at = [], 0, 0
+    for i, kv_cache in enumerate(kv_caches):
+        parts = sum(layout[at:at + 4])
+        layer_weights, layer_layout = weights[w_at:w_at + 3 + parts], layout[at:at + 4 + parts]
+        if len(layer_layout) != 4 + parts or len(layer_weights) != 3 + parts:
+            raise ValueError(f"cpu_decode_layers' layout {layout} does not describe {len(weights)} weights")
+        struct = _checked_layer(layer_weights, layer_layout, dtype, heads, kv_cache.shape[-1], eps)
+        layers.append(_StackLayer(ctypes.pointer(struct), _p(kv_cache), _p(kv_scales[i]) if kv_scales else None,
+                                  windows[i]))
+        at, w_at = at + 4 + parts, w_at + 3 + parts
+    if at != len(layout) or w_at != len(weights):
+        raise ValueError(f"cpu_decode_layers' layout {layout} does not describe {len(weights)} weights")
+    if len(_STACKS) >= 256:  # models come and go in one process (tests): forget the old ones
+        _STACKS.clear()
+    stack = _STACKS[key] = (_StackLayer * len(layers))(*layers)
+    return stack
+
+
+@_op("cpu_decode_layers(Tensor(a!) x, Tensor(b!) residual, Tensor(c!)[] kv_caches, Tensor?[] weights, "
+     "int[] layout, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor cos, "
+     "Tensor sin, int block_size, int heads, float scale, float eps, int[] windows, Tensor(d!)[] kv_scales, "
+     "float softcap=0.) -> ()",
      lambda *args, **kwargs: None)
+def cpu_decode_layers(x: torch.Tensor, residual: torch.Tensor, kv_caches: list[torch.Tensor],
+                      weights: list[torch.Tensor | None], layout: list[int], positions: torch.Tensor,
+                      slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, block_size: int, heads: int, scale: float, eps: float,
+                      windows: list[int], kv_scales: list[torch.Tensor], softcap: float = 0.) -> None:
+    """A decode step's Llama decoder layers, in turn, for up to max_rows() one-token query rows, in one call
+    (one thread team for all of them): each stores its K/V in its cache, x (the first layer's input)
+    becomes the last layer's output and residual is advanced (zeros before the first layer).
+    ``windows`` / ``softcap`` / ``kv_scales``: each layer's attention, as in ``cpu_paged_decode_attention``
+    (an 8-bit cache's K/V quantized on store, one scales tensor a layer; none for a model-dtype cache).
+
+    ``weights`` / ``layout``: each layer's in turn, as ``cpu_decode_layer`` takes one layer's. Index tensors
+    int64 and cos / sin float32, contiguous (checked: the C code reads them raw)."""
+    index = (positions, slots, block_tables, context_lens)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index) or cos.dtype != torch.float32:
+        raise ValueError("cpu_decode_layers takes contiguous int64 indices and float32 cos/sin tables")
+    kv_cache = kv_caches[0]
+    _, _, kv_heads, dim = kv_cache.shape
+    stack = _stack(kv_caches, weights, layout, windows, kv_scales, x.dtype, heads, eps)
+    step = _step_struct((_p(positions), _p(slots), _p(cos), _p(sin), _p(block_tables), _p(context_lens)),
+                        positions.shape[0], block_tables.stride(0), block_size, heads, kv_heads, dim, scale,
+                        0, softcap, *_kv_args(kv_cache, kv_scales[0] if kv_scales else None))
+    rc = _lib().pr_decode_layers(stack, len(stack), ctypes.byref(step), _p(x), _p(residual), DTYPES[x.dtype])
+    if rc:
+        raise RuntimeError(f"pr_decode_layers failed ({rc}) for {x.shape[0]} rows")
+
+
 def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
                      weights: list[torch.Tensor | None], layout: list[int], positions: torch.Tensor,
                      slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, block_size: int, heads: int, scale: float, eps: float, window: int = 0,
                      softcap: float = 0., kv_scale: torch.Tensor | None = None) -> None:
-    """A whole Llama decoder layer for up to max_rows() one-token query rows: stores their K/V, replaces x
-    (the layer's input) by its output and advances residual (zeros before the first layer), in one call.
-    ``window`` / ``softcap`` / ``kv_scale``: the layer's attention, as in ``cpu_paged_decode_attention`` (an
-    8-bit cache's K/V quantized on store).
+    """One Llama decoder layer (``cpu_decode_layers`` of one layer).
 
     ``weights``: input norm, qkv bias (or None), post-attention norm, then the parts of qkv, o, gate_up and
     down, each matrix 1..MAX_PARTS parts stacked by output rows. ``layout``: the four matrices' part counts,
     then each part's type: PLAIN (a contiguous [rows, K] tensor in x's dtype) or a GGUF type id (its blocks,
-    uint8 [rows, row bytes], multiplied as ``cpu_gguf_linear`` does: the same bits). Index tensors int64 and
-    cos / sin float32, contiguous (checked: the C code reads them raw)."""
-    index = (positions, slots, block_tables, context_lens)
-    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index) or cos.dtype != torch.float32:
-        raise ValueError("cpu_decode_layer takes contiguous int64 indices and float32 cos/sin tables")
-    _, _, kv_heads, dim = kv_cache.shape
-    layer = _layer_struct(weights, layout, x.dtype, heads, dim, eps)
-    step = _step_struct((_p(positions), _p(slots), _p(cos), _p(sin), _p(block_tables), _p(context_lens)),
-                        positions.shape[0], block_tables.stride(0), block_size, heads, kv_heads, dim, scale,
-                        window, softcap, *_kv_args(kv_cache, kv_scale))
-    rc = _lib().pr_decode_layer(ctypes.byref(layer), ctypes.byref(step), _p(kv_cache), _p(x), _p(residual),
-                                DTYPES[x.dtype])
-    if rc:
-        raise RuntimeError(f"pr_decode_layer failed ({rc}) for {x.shape[0]} rows")
+    uint8 [rows, row bytes], multiplied as ``cpu_gguf_linear`` does: the same bits)."""
+    cpu_decode_layers(x, residual, [kv_cache], weights, layout, positions, slots, block_tables, context_lens, cos,
+                      sin, block_size, heads, scale, eps, [window], [] if kv_scale is None else [kv_scale], softcap)
 
 
 # ---- GGUF block-quantized weights ---------------------------------------------------------------------

@@ -1380,71 +1380,118 @@ typedef struct {
     Paged paged;
 } DecodeStep;
 
+/* One layer of a decode step: its weights, its cache, and what its attention reads differently. */
+typedef struct {
+    const LayerWeights *weights;
+    void *kv_cache;
+    float *kv_scale; /* an 8-bit cache's scales, else NULL */
+    int64_t window;  /* > 0: sliding window (Paged.window) */
+} StackLayer;
+
+/* Work buffers of one thread team for a layer of these sizes. */
+typedef struct {
+    float *xf, *scratch;
+    char *qkv, *attn_out, *gate_up;
+    GgufActs acts[3]; /* x quantized for qkv / gate_up (K = H), o (K = q_size), down (K = I) */
+} LayerWork;
+
+static int64_t widest_input(const LayerWeights *W, const Paged *P) {
+    int64_t H = W->hidden, I = W->intermediate, q_size = P->heads * P->dim;
+    return I > H ? (I > q_size ? I : q_size) : (H > q_size ? H : q_size);
+}
+
 /* x (this layer's input, the previous layer's output) is replaced by this layer's output; residual
  * carries the stream (zeros before the first layer). The same operations, in the same dtype roundings, as
- * DecoderLayer.forward with the per-operation kernels, in one parallel region: no interpreter between
- * operations, threads kept between them. Returns -2 if the work buffers cannot be allocated. */
-int pr_decode_layer(const LayerWeights *W, const DecodeStep *S, void *kv_cache, void *x, void *residual, int dt) {
-    const Paged *P = &S->paged;
+ * DecoderLayer.forward with the per-operation kernels. Called by every thread of the team. */
+static void decode_layer(const LayerWeights *W, const Paged *P, const DecodeStep *S, void *kv_cache, void *x,
+                         void *residual, const LayerWork *w, int64_t per_thread, int dt) {
     int64_t M = S->rows, H = W->hidden, I = W->intermediate, dim = P->dim;
     int64_t q_size = P->heads * dim, kv_size = P->kv_heads * dim, qkv_size = q_size + 2 * kv_size;
-    int64_t elem = dt == BF16 ? 2 : 4, widest = I > H ? (I > q_size ? I : q_size) : (H > q_size ? H : q_size);
-    int64_t per_thread = attention_scratch(P, max_context(P->context_lens, M)), threads = omp_get_max_threads();
-    if (M < 1 || M > MAX_ROWS || matrix_check(&W->qkv, H) || matrix_check(&W->o, q_size) ||
-        matrix_check(&W->gate_up, H) || matrix_check(&W->down, I))
-        return -1;
-    /* fp32 input of the next linear | attention scratch | qkv (dt) | o / down output (dt) | gate_up (dt) |
-     * that input as int8 runs, for GGUF parts */
-    int64_t floats = M * widest + per_thread * threads, dts = elem * M * (qkv_size + H + 2 * I);
-    char *work = alloc_lines(sizeof(float) * floats + dts + gguf_acts_bytes(M, widest));
-    if (!work) return -2;
-    float *xf = (float *)work, *scratch = xf + M * widest;
-    char *qkv = (char *)(scratch + per_thread * threads), *attn_out = qkv + elem * M * qkv_size;
-    char *gate_up = attn_out + elem * M * H;
-    char *acts_at = (char *)work + sizeof(float) * floats + dts;
-    GgufActs acts[3] = {gguf_acts(acts_at, M, H), gguf_acts(acts_at, M, q_size), gguf_acts(acts_at, M, I)};
-#pragma omp parallel
-    {
+    int64_t elem = dt == BF16 ? 2 : 4;
+    float *xf = w->xf;
 #pragma omp for
-        for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, W->input_norm, NULL, xf, m, H, W->eps, dt);
-        matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, acts[0], qkv);
+    for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, W->input_norm, NULL, xf, m, H, W->eps, dt);
+    matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, w->acts[0], w->qkv);
 #pragma omp barrier
 #pragma omp for
-        for (int64_t m = 0; m < M; m++) {
-            rope_row(qkv, qkv_size, S->positions[m], S->cos, S->sin, m, P->heads + P->kv_heads, dim, dt);
-            store_kv_row(P, qkv + elem * (m * qkv_size + q_size), qkv + elem * (m * qkv_size + q_size + kv_size),
-                         kv_cache, S->slots[m], dt);
-        }
-        attend_part(P, qkv, qkv_size, kv_cache, M, scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
-#pragma omp barrier
-        matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, acts[1], attn_out);
-#pragma omp barrier
-#pragma omp for
-        for (int64_t m = 0; m < M; m++) rms_norm_row(attn_out, residual, W->post_norm, NULL, xf, m, H, W->eps, dt);
-        matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, acts[0], gate_up);
-#pragma omp barrier
-        {
-            int64_t begin, end;
-            thread_range(M * I, &begin, &end);
-            silu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
-        }
-#pragma omp barrier
-        matrix_part(&W->down, NULL, I, dt, xf, (int)M, acts[2], x);
+    for (int64_t m = 0; m < M; m++) {
+        char *row = w->qkv + elem * m * qkv_size;
+        rope_row(w->qkv, qkv_size, S->positions[m], S->cos, S->sin, m, P->heads + P->kv_heads, dim, dt);
+        store_kv_row(P, row + elem * q_size, row + elem * (q_size + kv_size), kv_cache, S->slots[m], dt);
     }
-    free(work);
+    attend_part(P, w->qkv, qkv_size, kv_cache, M, w->scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
+#pragma omp barrier
+    matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, w->acts[1], w->attn_out);
+#pragma omp barrier
+#pragma omp for
+    for (int64_t m = 0; m < M; m++) rms_norm_row(w->attn_out, residual, W->post_norm, NULL, xf, m, H, W->eps, dt);
+    matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, w->acts[0], w->gate_up);
+#pragma omp barrier
+    {
+        int64_t begin, end;
+        thread_range(M * I, &begin, &end);
+        silu_mul_range(w->gate_up, NULL, xf, begin, end, I, dt);
+    }
+#pragma omp barrier
+    matrix_part(&W->down, NULL, I, dt, xf, (int)M, w->acts[2], x);
+#pragma omp barrier /* x is the next layer's input */
+}
+
+/* A decode step's decoder layers, layers[0] .. layers[n - 1] in turn, in one parallel region: no
+ * interpreter and no thread wake-up between operations or layers. S->paged gives the attention's common
+ * terms (its window and kv_scale are each layer's own). Returns -1 for a bad row count or weight layout,
+ * -2 if the work buffers cannot be allocated. */
+int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, void *x, void *residual, int dt) {
+    int64_t M = S->rows, threads = omp_get_max_threads(), elem = dt == BF16 ? 2 : 4;
+    int64_t per_thread = attention_scratch(&S->paged, max_context(S->paged.context_lens, M));
+    int64_t widest = 0, qkv_size = 0, H = 0, I = 0;
+    if (M < 1 || M > MAX_ROWS || n < 1) return -1;
+    for (int64_t l = 0; l < n; l++) {
+        const LayerWeights *W = layers[l].weights;
+        const Paged *P = &S->paged;
+        int64_t q_size = P->heads * P->dim, wide = widest_input(W, P);
+        if (matrix_check(&W->qkv, W->hidden) || matrix_check(&W->o, q_size) ||
+            matrix_check(&W->gate_up, W->hidden) || matrix_check(&W->down, W->intermediate))
+            return -1;
+        widest = wide > widest ? wide : widest;
+        H = W->hidden > H ? W->hidden : H, I = W->intermediate > I ? W->intermediate : I;
+        qkv_size = q_size + 2 * P->kv_heads * P->dim;
+    }
+    /* fp32 input of the next linear | attention scratch | qkv (dt) | o output (dt) | gate_up (dt) | that
+     * input as int8 runs, for GGUF parts */
+    int64_t floats = M * widest + per_thread * threads, dts = elem * M * (qkv_size + H + 2 * I);
+    char *buffer = alloc_lines(sizeof(float) * floats + dts + gguf_acts_bytes(M, widest));
+    if (!buffer) return -2;
+    LayerWork w;
+    w.xf = (float *)buffer, w.scratch = w.xf + M * widest;
+    w.qkv = (char *)(w.scratch + per_thread * threads), w.attn_out = w.qkv + elem * M * qkv_size;
+    w.gate_up = w.attn_out + elem * M * H;
+    char *acts = (char *)buffer + sizeof(float) * floats + dts;
+#pragma omp parallel
+    for (int64_t l = 0; l < n; l++) {
+        const LayerWeights *W = layers[l].weights;
+        Paged P = S->paged;
+        P.window = layers[l].window, P.kv_scale = layers[l].kv_scale;
+        LayerWork lw = w; /* the acts' split depends on the layer's K */
+        lw.acts[0] = gguf_acts(acts, M, W->hidden), lw.acts[1] = gguf_acts(acts, M, P.heads * P.dim);
+        lw.acts[2] = gguf_acts(acts, M, W->intermediate);
+        decode_layer(W, &P, S, layers[l].kv_cache, x, residual, &lw, per_thread, dt);
+    }
+    free(buffer);
     return 0;
 }
 
 /* ---- what the Python loader reads instead of mirroring by hand -------------------------------- */
 
-/* 0: MAX_ROWS; 1, 2, 3: sizeof LayerWeights, DecodeStep, Paged (cpu.py checks its ctypes structs
- * against these and refuses a library that disagrees); -1 for anything else. */
+/* 0: MAX_ROWS; 1, 2, 3, 4: sizeof LayerWeights, DecodeStep, Paged, StackLayer (cpu.py checks its ctypes
+ * structs against these and refuses a library that disagrees); -1 for anything else. */
 int64_t pr_abi(int what) {
     switch (what) {
     case 0: return MAX_ROWS;
     case 1: return (int64_t)sizeof(LayerWeights);
     case 2: return (int64_t)sizeof(DecodeStep);
     case 3: return (int64_t)sizeof(Paged);
+    case 4: return (int64_t)sizeof(StackLayer);
     default: return -1;
     }
 }

@@ -234,22 +234,23 @@ class CpuKernelOps(TorchOps):
 
     def fused_decoder_layer(self, meta) -> bool:
         """A step of one-token query rows only (decodes and verification rows), at most max_rows of them,
-        with the kernel backend's metadata: each decoder layer is one ``cpu_decode_layer`` op."""
+        with the kernel backend's metadata: the decoder layers are one ``cpu_decode_layers`` op."""
         return meta.rows_only and meta.num_tokens <= self.max_rows
 
     @staticmethod
-    def decoder_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
-                      weights: tuple[list[torch.Tensor | None], list[int]], eps: float, meta, rope_tables,
-                      heads: int, scale: float, window: int | None = None,
-                      kv_scale: torch.Tensor | None = None) -> None:
-        """One Llama decoder layer over the step's rows, in place (x: input -> output; residual advanced);
-        its attention over each row's last ``window`` tokens when given (Mistral's sliding window); an 8-bit
-        cache with its ``kv_scale``. ``weights``: the op's (weights, layout) (``cpu_decode_layer``)."""
+    def decoder_layers(x: torch.Tensor, residual: torch.Tensor, stack, kv_caches: list[torch.Tensor],
+                       kv_scales: list[torch.Tensor], meta, rope_tables, heads: int, scale: float,
+                       eps: float) -> None:
+        """Llama decoder layers over the step's rows, in turn, in place (x: the first's input -> the last's
+        output; residual advanced): ``stack`` their (weights, layout, windows) as ``cpu_decode_layers`` takes
+        them, each layer's attention over its cache (an 8-bit one with its scales), each row's last
+        ``windows[i]`` tokens where nonzero (Mistral's sliding window)."""
         cos, sin = rope_tables
         rows = meta.decode_rows
-        cpu_kernels.cpu_decode_layer(x, residual, kv_cache, *weights, meta.positions, meta.slot_mapping,
-                                     rows.block_tables, rows.context_lens, cos, sin, meta.block_size, heads,
-                                     scale, eps, window or 0, 0., kv_scale)
+        weights, layout, windows = stack
+        cpu_kernels.cpu_decode_layers(x, residual, kv_caches, weights, layout, meta.positions, meta.slot_mapping,
+                                      rows.block_tables, rows.context_lens, cos, sin, meta.block_size, heads,
+                                      scale, eps, windows, kv_scales)
 
 
 class TritonOps(TorchOps):

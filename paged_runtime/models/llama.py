@@ -102,12 +102,6 @@ class LlamaDecoderLayer(nn.Module):
         weights = [self.input_layernorm.weight, a.qkv_proj.bias, self.post_attention_layernorm.weight]
         return weights + [t for t, _ in parts], [len(matrix) for matrix in matrices] + [kind for _, kind in parts]
 
-    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor, meta) -> None:
-        """The whole layer as one op, in place: x from input to output, residual advanced."""
-        a = self.self_attn
-        self.ops.decoder_layer(x, residual, a.attn.kv_cache, self.fused_weights(), self.input_layernorm.eps, meta,
-                               (a.rotary.cos, a.rotary.sin), a.attn.num_heads, a.attn.scale, a.attn.sliding_window,
-                               a.attn.kv_scale)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,6 +131,7 @@ class LlamaForCausalLM(nn.Module):
         # Only weights the op reads (plain, GGUF blocks), a plain rotary (whole heads, one table) and one rank
         # (the op has no all-reduce) fit the one-op layer.
         self.fusable = self.one_op_layer and self.rotary.one_table and method.fusable and tp.size == 1
+        self._fused_stack = None  # forward_fused's (weights, layout, windows) of the held layers
 
     def init_stage(self, stage: PipelineStage, embedding, decoder_layer, norm, lm_head) -> None:
         """Build the modules pipeline stage ``stage`` holds (each argument makes one); the others are None
@@ -159,13 +154,26 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers[self.held.start:self.held.stop]
         if self.fusable and self.ops.fused_decoder_layer(meta):
             residual = torch.zeros_like(x) if residual is None else residual
-            for layer in layers:
-                layer.forward_fused(x, residual, meta)
+            self.forward_fused(layers, x, residual, meta)
         else:
             rope = self.rotary.inputs(positions, x.dtype)
             for layer in layers:
                 x, residual = layer(x, residual, rope, meta)
         return self.stage_output(x, residual)
+
+    def forward_fused(self, layers, x: torch.Tensor, residual: torch.Tensor, meta) -> None:
+        """The decoder layers as one op (``ops.decoder_layers``), in place: x from input to output, residual
+        advanced."""
+        if self._fused_stack is None:  # weights are fixed once loaded: flattened at the first one-op step
+            weights = [layer.fused_weights() for layer in layers]
+            windows = [layer.self_attn.attn.sliding_window or 0 for layer in layers]
+            self._fused_stack = ([t for w, _ in weights for t in w], [k for _, lay in weights for k in lay], windows)
+        attns = [layer.self_attn.attn for layer in layers]  # caches are the runner's: read at every step
+        kv_scales = [a.kv_scale for a in attns] if attns[0].kv_scale is not None else []
+        first = layers[0].self_attn
+        self.ops.decoder_layers(x, residual, self._fused_stack, [a.kv_cache for a in attns], kv_scales, meta,
+                                (first.rotary.cos, first.rotary.sin), first.attn.num_heads, first.attn.scale,
+                                layers[0].input_layernorm.eps)
 
     def stage_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) entering this stage's first layer: the embeddings, or what the stage before sent."""

@@ -38,8 +38,8 @@ def generate(llm, prompts, params) -> list[list[int]]:
                          ids=["plain", "ngram"])
 def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, num_blocks, speculative_config):
     fused_calls, attention_calls = [], []
-    decode_layer, attention = cpu.cpu_decode_layer, cpu.cpu_paged_decode_attention
-    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    decode_layer, attention = cpu.cpu_decode_layers, cpu.cpu_paged_decode_attention
+    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
     monkeypatch.setattr(cpu, "cpu_paged_decode_attention",
                         lambda q, *a: attention_calls.append(q.shape[0]) or attention(q, *a))
     prompts, params = workload()

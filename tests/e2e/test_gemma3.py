@@ -109,8 +109,8 @@ def test_tiny_gemma3_with_cpu_kernels_stays_off_the_one_op_llama_layer(tiny_gemm
                                                                        monkeypatch):
     """The kernel op set: Gemma's norms and GeGLU fall back to PyTorch's, its linears and RoPE are kernels."""
     fused_calls = []
-    decode_layer = cpu.cpu_decode_layer
-    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    decode_layer = cpu.cpu_decode_layers
+    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
     llm = run_and_compare(tiny_gemma3_dir, expected_tokens, device="cpu", cpu_kernels=True,
                           attention_backend=attention)
     assert (llm.engine.core.ops.name, llm.engine.core.attention_backend) == ("cpu-kernels", attention)

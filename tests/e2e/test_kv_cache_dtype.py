@@ -100,8 +100,8 @@ def test_the_compiled_cpu_kernels_read_and_write_the_same_8_bit_cache(tiny_llama
     """The fused decoder layer (which quantizes its own K/V) and the C decode attention, on every CPU."""
     name, want = expected
     fused_calls = []
-    decode_layer = cpu.cpu_decode_layer
-    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a, **k: fused_calls.append(1) or decode_layer(*a, **k))
+    decode_layer = cpu.cpu_decode_layers
+    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a, **k: fused_calls.append(1) or decode_layer(*a, **k))
     llm = make_llm(tiny_llama_dir, kv_cache_dtype=name, cpu_kernels=True, max_model_len=384,
                    max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=24 * TINY_BLOCK_BYTES[name])
     try:

@@ -160,8 +160,8 @@ def test_tiny_phi3_with_partial_rotary_and_longrope_matches_transformers(longrop
 def test_tiny_phi3_longrope_with_cpu_kernels_rotates_partially_and_stays_off_the_one_op_layer(longrope_dir,
                                                                                           monkeypatch):
     fused_calls = []
-    decode_layer = cpu.cpu_decode_layer
-    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    decode_layer = cpu.cpu_decode_layers
+    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
     llm = run_and_compare(longrope_dir, (0, 1, 2, 7, 8), device="cpu", cpu_kernels=True)
     assert llm.engine.core.ops.name == "cpu-kernels"
     assert fused_calls == []

@@ -93,8 +93,8 @@ def test_tiny_qwen3_matches_transformers(tiny_qwen3_dir, qwen3_hf):
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 def test_tiny_qwen3_with_cpu_kernels_stays_off_the_one_op_llama_layer(tiny_qwen3_dir, qwen3_hf, monkeypatch):
     fused_calls = []
-    decode_layer = cpu.cpu_decode_layer
-    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: fused_calls.append(1) or decode_layer(*a))
+    decode_layer = cpu.cpu_decode_layers
+    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
     llm = run_and_compare(tiny_qwen3_dir, qwen3_hf, device="cpu", cpu_kernels=True)  # "auto" is CUDA on a GPU
     assert llm.engine.core.ops.name == "cpu-kernels"
     assert fused_calls == []  # every decode step ran op by op, q/k norms included

@@ -123,9 +123,9 @@ def test_tiny_mistral_matches_transformers_past_the_window(tiny_mistral_dir, exp
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 def test_tiny_mistral_with_cpu_kernels(tiny_mistral_dir, expected, monkeypatch):
     windows = []
-    decode_layer = cpu.cpu_decode_layer
-    # cpu_decode_layer's 16th argument is the window (kv_scale came after it with the 8-bit cache)
-    monkeypatch.setattr(cpu, "cpu_decode_layer", lambda *a: windows.append(a[15]) or decode_layer(*a))
+    decode_layers = cpu.cpu_decode_layers
+    # cpu_decode_layers' 16th argument is the layers' windows
+    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: windows.extend(a[15]) or decode_layers(*a))
     llm = run_and_compare(tiny_mistral_dir, expected, device="cpu", cpu_kernels=True)  # "auto" is CUDA on a GPU
     assert llm.engine.core.ops.name == "cpu-kernels" and llm.engine.core.attention_backend == "cpu"
     assert windows and set(windows) == {WINDOW}  # the one-op layer ran, sliding
