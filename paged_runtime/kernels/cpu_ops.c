@@ -595,8 +595,47 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
 }
 
 #ifdef VEC16
+/* 8 cache values of an 8-bit cache as fp32 (AVX2, which every VEC16 CPU has): int8 as is; e4m3fn decoded
+ * exactly as e4m3_to_f32 (normals by moving their bits into a float's, subnormals as m * 2^-9, 0x7f NaN). */
+static inline __m256 int8x8_to_f32(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 e4m3x8_to_f32(const uint8_t *p) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+    __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512.f));
+    __m256 v = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
+    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+}
+static inline V16 v16_halves(__m256 lo, __m256 hi) {
+#ifdef __AVX512F__
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+#else
+    return v16_pair(lo, hi);
+#endif
+}
+
+/* 16 elements i.. of a cache row as attention reads them: the model dtype's values, or an 8-bit cache's
+ * times its scale, kept in fp32 (kv_row and torch's gather round them to dt: here that rounding cost a decode
+ * step at 512 tokens 20-30% more than the cache read itself, measured, and only takes precision away). */
+static inline __attribute__((always_inline)) V16 kv_load16(const void *row, int64_t i, const int kv_dt, V16 scale,
+                                                           int dt) {
+    if (kv_dt == KV_MODEL) return load16(row, i, dt);
+    const uint8_t *p = (const uint8_t *)row + i;
+    V16 v = kv_dt == KV_FP8 ? v16_halves(e4m3x8_to_f32(p), e4m3x8_to_f32(p + 8))
+                            : v16_halves(int8x8_to_f32((const int8_t *)p), int8x8_to_f32((const int8_t *)p + 8));
+    return v16_mul(v, scale);
+}
+
 #define MAX_CHUNKS 16 /* head_dim <= 256 */
 #define MAX_GROUP 64   /* query heads per KV head */
+
+/* The factor an 8-bit cache row (slot, kv, KV head g) is read with, as kv_row applies it. */
+static inline V16 kv_scale16(const Paged *P, int64_t slot, int kv, int64_t g, int dt) {
+    return v16_set1(P->kv_dt == KV_FP8 ? P->kv_scale[kv] : rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt));
+}
 
 /* row[t] = exp(row[t] - max(row)) for t < len; returns their sum. */
 static float softmax_unnormalized(float *row, int64_t len) {
@@ -636,9 +675,11 @@ static float softmax_unnormalized(float *row, int64_t len) {
  * at batch 1-64 here. */
 static inline __attribute__((always_inline)) void attend_group_impl(
     const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g, float *scratch,
-    void *out, float *xf, const int64_t chunks, const int dt) {
+    void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
     int64_t G = P->heads / P->kv_heads, dim = chunks * 16, first = first_key(P, b), len = P->context_lens[b] - first;
-    int64_t elem = dt == BF16 ? 2 : 4, row_bytes = P->kv_heads * dim * elem, head_bytes = g * dim * elem;
+    int64_t elem = kv_dt != KV_MODEL ? 1 : dt == BF16 ? 2 : 4, row_bytes = P->kv_heads * dim * elem;
+    int64_t head_bytes = g * dim * elem;
+    V16 scale = v16_set1(1.f);
     float *qf = scratch, *acc = qf + G * dim, *scores = acc + G * dim;
     for (int64_t i = 0; i < G * dim; i++) qf[i] = load(q, b * q_stride + g * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     const int64_t *table = P->block_tables + b * P->table_stride;
@@ -647,7 +688,8 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *key = (const char *)kv_cache + slot * 2 * row_bytes + head_bytes;
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load16(key, c * 16, dt);
+        if (kv_dt != KV_MODEL) scale = kv_scale16(P, slot, 0, g, dt);
+        for (int64_t c = 0; c < chunks; c++) kv[c] = kv_load16(key, c * 16, kv_dt, scale, dt);
         for (int64_t j = 0; j < G; j++) {
             V16 s = v16_mul(v16_loadf(qf + j * dim), kv[0]);
             for (int64_t c = 1; c < chunks; c++) s = v16_fmadd(v16_loadf(qf + j * dim + c * 16), kv[c], s);
@@ -660,7 +702,8 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *value = (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes;
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load16(value, c * 16, dt);
+        if (kv_dt != KV_MODEL) scale = kv_scale16(P, slot, 1, g, dt);
+        for (int64_t c = 0; c < chunks; c++) kv[c] = kv_load16(value, c * 16, kv_dt, scale, dt);
         for (int64_t j = 0; j < G; j++) {
             V16 p = v16_set1(scores[j * len + t]);
             for (int64_t c = 0; c < chunks; c++) {
@@ -681,11 +724,13 @@ static inline __attribute__((always_inline)) void attend_group_impl(
 static void attend_group(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
                          int64_t g, float *scratch, void *out, float *xf, int dt) {
     int64_t chunks = P->dim / 16;
-    if (dt == BF16 && chunks == 4) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 4, BF16);
-    else if (dt == BF16 && chunks == 8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 8, BF16);
-    else if (chunks == 4) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 4, F32);
-    else if (chunks == 8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 8, F32);
-    else attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt);
+    if (P->kv_dt == KV_FP8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt, KV_FP8);
+    else if (P->kv_dt == KV_INT8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt, KV_INT8);
+    else if (dt == BF16 && chunks == 4) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 4, BF16, KV_MODEL);
+    else if (dt == BF16 && chunks == 8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 8, BF16, KV_MODEL);
+    else if (chunks == 4) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 4, F32, KV_MODEL);
+    else if (chunks == 8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 8, F32, KV_MODEL);
+    else attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt, KV_MODEL);
 }
 #endif
 
@@ -696,13 +741,13 @@ static int64_t attention_scratch(const Paged *P, int64_t max_len) {
     return (G * (max_len + 2 * P->dim) + P->dim + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
 }
 
-/* The calling thread's share of B rows' attention: (row, KV head) items with the vector kernel, (row, query
- * head) items otherwise (and for an 8-bit cache, which attend_head dequantizes row by row). */
+/* The calling thread's share of B rows' attention: (row, KV head) items with the vector kernel (an 8-bit
+ * cache dequantized there 16 values at a time), (row, query head) items otherwise. */
 static void attend_part(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t B,
                         float *scratch, void *out, float *xf, int dt) {
     int64_t begin, end;
 #ifdef VEC16
-    if (P->kv_dt == KV_MODEL && P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
+    if (P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
         thread_range(B * P->kv_heads, &begin, &end);
         for (int64_t item = begin; item < end; item++)
             attend_group(P, q, q_stride, kv_cache, item / P->kv_heads, item % P->kv_heads, scratch, out, xf, dt);
