@@ -128,11 +128,11 @@ def _cpu_flags() -> str:
 
 
 def has_vector_paths() -> bool:
-    """Whether this CPU runs the kernels' vector code: AVX-512F, or AVX2 with FMA (half the width, the same
+    """Whether this CPU runs the kernels' vector code: AVX-512F, or AVX2 with FMA and F16C (half the width, the same
     loops). Elsewhere they fall back to scalar loops, which measured 2.1x slower than the PyTorch path at
     batch 1 in bfloat16 (80 vs 38 ms a step, SmolLM2 on a 2-core AMD EPYC, ``benchmarks/cpu_decode.py``)."""
     flags = set(_cpu_flags().split())
-    return "avx512f" in flags or {"avx2", "fma"} <= flags
+    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
 def _compiler() -> str | None:

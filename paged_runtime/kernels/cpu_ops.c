@@ -128,7 +128,7 @@ static inline void store16(void *p, int64_t i, V16 rounded, int dt) {
                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
     else _mm512_storeu_ps((float *)p + i, rounded);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VEC16 1
 typedef struct {
     __m256 lo, hi;
@@ -595,19 +595,20 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
 }
 
 #ifdef VEC16
-/* 8 cache values of an 8-bit cache as fp32 (AVX2, which every VEC16 CPU has): int8 as is; e4m3fn decoded
- * exactly as e4m3_to_f32 (normals by moving their bits into a float's, subnormals as m * 2^-9, 0x7f NaN). */
+/* 8-bit cache values as fp32 (AVX2 and F16C, which every VEC16 CPU has). */
 static inline __m256 int8x8_to_f32(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline __m256 e4m3x8_to_f32(const uint8_t *p) {
-    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-    __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512.f));
-    __m256 v = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
-    v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
-    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+/* 16 e4m3fn bytes as their values over 256: the bits moved into float16 ones (sign, then exponent and
+ * mantissa shifted to float16's places) are the value over 2^8 for normals and subnormals alike (float16's
+ * bias is 8 more than e4m3's), which F16C widens exactly; 0x7f / 0xff (NaN) become float16 NaNs. The 2^8
+ * goes into the scale. */
+static inline void e4m3x16_to_f32_over256(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i em = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(em, 7), _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+    h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7e00)));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 static inline V16 v16_halves(__m256 lo, __m256 hi) {
 #ifdef __AVX512F__
@@ -624,17 +625,22 @@ static inline __attribute__((always_inline)) V16 kv_load16(const void *row, int6
                                                            int dt) {
     if (kv_dt == KV_MODEL) return load16(row, i, dt);
     const uint8_t *p = (const uint8_t *)row + i;
-    V16 v = kv_dt == KV_FP8 ? v16_halves(e4m3x8_to_f32(p), e4m3x8_to_f32(p + 8))
-                            : v16_halves(int8x8_to_f32((const int8_t *)p), int8x8_to_f32((const int8_t *)p + 8));
-    return v16_mul(v, scale);
+    if (kv_dt == KV_FP8) {
+        __m256 lo, hi;
+        e4m3x16_to_f32_over256(p, &lo, &hi);
+        return v16_mul(v16_halves(lo, hi), scale); /* scale carries the 256 (kv_scale16) */
+    }
+    return v16_mul(v16_halves(int8x8_to_f32((const int8_t *)p), int8x8_to_f32((const int8_t *)p + 8)), scale);
 }
 
 #define MAX_CHUNKS 16 /* head_dim <= 256 */
 #define MAX_GROUP 64   /* query heads per KV head */
 
-/* The factor an 8-bit cache row (slot, kv, KV head g) is read with, as kv_row applies it. */
+/* The factor an 8-bit cache row (slot, kv, KV head g) is read with, as kv_row applies it (fp8: times the 256
+ * that kv_load16's decoding leaves out). */
 static inline V16 kv_scale16(const Paged *P, int64_t slot, int kv, int64_t g, int dt) {
-    return v16_set1(P->kv_dt == KV_FP8 ? P->kv_scale[kv] : rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt));
+    if (P->kv_dt == KV_FP8) return v16_set1(P->kv_scale[kv] * 256.f);
+    return v16_set1(rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt));
 }
 
 /* row[t] = exp(row[t] - max(row)) for t < len; returns their sum. */
