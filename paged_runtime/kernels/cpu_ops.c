@@ -730,13 +730,20 @@ static inline __attribute__((always_inline)) void attend_group_impl(
 static void attend_group(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
                          int64_t g, float *scratch, void *out, float *xf, int dt) {
     int64_t chunks = P->dim / 16;
-    if (P->kv_dt == KV_FP8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt, KV_FP8);
-    else if (P->kv_dt == KV_INT8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt, KV_INT8);
-    else if (dt == BF16 && chunks == 4) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 4, BF16, KV_MODEL);
-    else if (dt == BF16 && chunks == 8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 8, BF16, KV_MODEL);
-    else if (chunks == 4) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 4, F32, KV_MODEL);
-    else if (chunks == 8) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, 8, F32, KV_MODEL);
-    else attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks, dt, KV_MODEL);
+    /* constant (chunks, dt, cache kind) for the common head sizes: the widened rows stay in registers (an
+     * fp8 cache read through the runtime-chunk loop made a decode step at 512 tokens 1.37x bf16's; 0.99x so) */
+#define ATTEND(chunks_, dt_, kv_dt_) attend_group_impl(P, q, q_stride, kv_cache, b, g, scratch, out, xf, chunks_, dt_, kv_dt_)
+#define ATTEND_KV(kv_dt_)                                                                                     \
+    if (dt == BF16 && chunks == 4) ATTEND(4, BF16, kv_dt_);                                                   \
+    else if (dt == BF16 && chunks == 8) ATTEND(8, BF16, kv_dt_);                                              \
+    else if (chunks == 4) ATTEND(4, F32, kv_dt_);                                                             \
+    else if (chunks == 8) ATTEND(8, F32, kv_dt_);                                                             \
+    else ATTEND(chunks, dt, kv_dt_);
+    if (P->kv_dt == KV_FP8) { ATTEND_KV(KV_FP8) }
+    else if (P->kv_dt == KV_INT8) { ATTEND_KV(KV_INT8) }
+    else { ATTEND_KV(KV_MODEL) }
+#undef ATTEND_KV
+#undef ATTEND
 }
 #endif
 
