@@ -471,8 +471,9 @@ def _stack(kv_caches: list[torch.Tensor], weights: list[torch.Tensor | None], la
     up by the tensors' addresses (~40 us for 30 layers, where an op a layer cost ~55 us each in dispatch
     alone). A model's weights and caches live as long as it does, so the same addresses (with the same
     layout, sizes and dtype) are the same layers."""
+    first_layer = weights[:3 + sum(layout[:4])]  # its sizes in the key too: the rest cost ~140 us to read
     key = (tuple(map(_p, weights)), tuple(layout), tuple(map(_p, kv_caches)), tuple(map(_p, kv_scales)),
-           tuple(windows), dtype, heads, eps, kv_caches[0].shape, weights[0].shape)
+           tuple(windows), dtype, heads, eps, kv_caches[0].shape, tuple(w.shape for w in first_layer if w is not None))
     stack = _STACKS.get(key)
     if stack is not None:
         return stack
