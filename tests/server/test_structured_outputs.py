@@ -113,8 +113,39 @@ def test_every_constrained_output_matches_on_both_routes(client, field, value, c
                                            extra_body={field: value})
     texts = [c.message.content for c in chat.choices] + [completion.choices[0].text]
     for text, reason in zip(texts, [c.finish_reason for c in chat.choices] + [completion.choices[0].finish_reason]):
+        if reason == "length" and field == "structured_outputs" and "json_object" in value:
+            # Any JSON may run past the limit (greedy, this 135M model loops inside a string: '{"2018-01-01T00:00:
+            # 00-00:00-00:00...'): then what came must be the start of an object.
+            assert json_prefix_closes(text), text
+            continue
         assert reason == "stop", text
         assert check(text), text
+
+
+def json_prefix_closes(text: str) -> bool:
+    """Whether ``text`` is the start of a JSON object: closing its open string, value and brackets parses."""
+    stack, in_string, escaped = [], False, False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+    body = text + ('"' if in_string else "")
+    closer = "".join(reversed(stack))
+    return text.startswith("{") and any(_parses(body.rstrip().rstrip(",") + tail + closer)
+                                        for tail in ("", ": null", "null"))
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def test_response_format_json_object_parses(client):
