@@ -1417,12 +1417,14 @@ static int has_blocks(const Matrix *W) {
 }
 
 /* Inside the layer's parallel region (every thread calls it): out (dt, [M, N], N = the parts' rows) = xf
- * (fp32, [M, K], values already rounded to dt) @ W.T (+ bias). GGUF parts take xf quantized into a (first,
- * by all threads), exactly as pr_gguf_linear quantizes the dt tensor of the same values: the unfused path's
- * arithmetic. Each thread computes one contiguous run of output columns across the parts. */
-static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, const float *xf, int M, GgufActs a,
+ * (fp32, [M, K], values already rounded to dt) @ W.T (+ bias). GGUF parts take xf quantized into the
+ * scratch at acts (first, by all threads), exactly as pr_gguf_linear quantizes the dt tensor of the same
+ * values: the unfused path's arithmetic. Each thread computes one contiguous run of output columns across
+ * the parts. */
+static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, const float *xf, int M, char *acts,
                         void *out) {
     int64_t N = 0, begin, end, elem = dt == BF16 ? 2 : 4;
+    GgufActs a = gguf_acts(acts, M, K);
     for (int64_t i = 0; i < W->parts; i++) N += W->part[i].rows;
     if (has_blocks(W)) gguf_quantize_part(xf, M, K, F32, a);
     thread_range(N, &begin, &end);
@@ -1461,11 +1463,10 @@ typedef struct {
     int64_t window;  /* > 0: sliding window (Paged.window) */
 } StackLayer;
 
-/* Work buffers of one thread team for a layer of these sizes. */
+/* Work buffers of one thread team, for the widest layer. */
 typedef struct {
     float *xf, *scratch;
-    char *qkv, *attn_out, *gate_up;
-    GgufActs acts[3]; /* x quantized for qkv / gate_up (K = H), o (K = q_size), down (K = I) */
+    char *qkv, *attn_out, *gate_up, *acts; /* acts: a linear's input as int8 runs, for GGUF parts */
 } LayerWork;
 
 static int64_t widest_input(const LayerWeights *W, const Paged *P) {
@@ -1484,7 +1485,7 @@ static void decode_layer(const LayerWeights *W, const Paged *P, const DecodeStep
     float *xf = w->xf;
 #pragma omp for
     for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, W->input_norm, NULL, xf, m, H, W->eps, dt);
-    matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, w->acts[0], w->qkv);
+    matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, w->acts, w->qkv);
 #pragma omp barrier
 #pragma omp for
     for (int64_t m = 0; m < M; m++) {
@@ -1494,11 +1495,11 @@ static void decode_layer(const LayerWeights *W, const Paged *P, const DecodeStep
     }
     attend_part(P, w->qkv, qkv_size, kv_cache, M, w->scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
 #pragma omp barrier
-    matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, w->acts[1], w->attn_out);
+    matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, w->acts, w->attn_out);
 #pragma omp barrier
 #pragma omp for
     for (int64_t m = 0; m < M; m++) rms_norm_row(w->attn_out, residual, W->post_norm, NULL, xf, m, H, W->eps, dt);
-    matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, w->acts[0], w->gate_up);
+    matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, w->acts, w->gate_up);
 #pragma omp barrier
     {
         int64_t begin, end;
@@ -1506,7 +1507,7 @@ static void decode_layer(const LayerWeights *W, const Paged *P, const DecodeStep
         silu_mul_range(w->gate_up, NULL, xf, begin, end, I, dt);
     }
 #pragma omp barrier
-    matrix_part(&W->down, NULL, I, dt, xf, (int)M, w->acts[2], x);
+    matrix_part(&W->down, NULL, I, dt, xf, (int)M, w->acts, x);
 #pragma omp barrier /* x is the next layer's input */
 }
 
@@ -1538,17 +1539,12 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
     LayerWork w;
     w.xf = (float *)buffer, w.scratch = w.xf + M * widest;
     w.qkv = (char *)(w.scratch + per_thread * threads), w.attn_out = w.qkv + elem * M * qkv_size;
-    w.gate_up = w.attn_out + elem * M * H;
-    char *acts = (char *)buffer + sizeof(float) * floats + dts;
+    w.gate_up = w.attn_out + elem * M * H, w.acts = (char *)buffer + sizeof(float) * floats + dts;
 #pragma omp parallel
     for (int64_t l = 0; l < n; l++) {
-        const LayerWeights *W = layers[l].weights;
         Paged P = S->paged;
         P.window = layers[l].window, P.kv_scale = layers[l].kv_scale;
-        LayerWork lw = w; /* the acts' split depends on the layer's K */
-        lw.acts[0] = gguf_acts(acts, M, W->hidden), lw.acts[1] = gguf_acts(acts, M, P.heads * P.dim);
-        lw.acts[2] = gguf_acts(acts, M, W->intermediate);
-        decode_layer(W, &P, S, layers[l].kv_cache, x, residual, &lw, per_thread, dt);
+        decode_layer(layers[l].weights, &P, S, layers[l].kv_cache, x, residual, &w, per_thread, dt);
     }
     free(buffer);
     return 0;

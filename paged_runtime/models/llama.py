@@ -72,7 +72,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(c, ops, method, dtype, device, tp, layer_index)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops, dtype, device)
-        self._fused_weights = None  # fused_weights(), gathered at the first one-op step
 
     def make_mlp(self, c: ModelConfig, ops: TorchOps, method, dtype, device, tp: TensorParallel,
                  layer_index: int) -> nn.Module:
@@ -87,21 +86,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def fused_weights(self) -> tuple[list[torch.Tensor | None], list[int]]:
-        """The one-op layer's (weights, layout) (``ops.decoder_layer``): the norms and qkv bias, then each
-        matrix's parts as its linear method holds them. Gathered once (weights are fixed once loaded; a decode
-        step asks 30 times, at ~50 us each)."""
-        if self._fused_weights is None:
-            self._fused_weights = self._gather_fused_weights()
-        return self._fused_weights
-
-    def _gather_fused_weights(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """This layer's (weights, layout) in the one-op layers (``kernels.cpu.cpu_decode_layer``): the norms and
+        qkv bias, then each matrix's parts as its linear method holds them."""
         a, m = self.self_attn, self.mlp
         matrices = [linear.method.fused_parts(linear) for linear in (a.qkv_proj, a.o_proj, m.gate_up_proj,
                                                                        m.down_proj)]
         parts = [part for matrix in matrices for part in matrix]
         weights = [self.input_layernorm.weight, a.qkv_proj.bias, self.post_attention_layernorm.weight]
         return weights + [t for t, _ in parts], [len(matrix) for matrix in matrices] + [kind for _, kind in parts]
-
 
 
 class LlamaForCausalLM(nn.Module):
