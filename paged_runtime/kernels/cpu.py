@@ -73,6 +73,7 @@ _SIGNATURES = {
     "pr_gguf_dequantize": ([_ptr, _ptr, _i64, _i64, _int, _int], _int),
     "pr_gguf_force_scalar": ([_int], None),
     "pr_gguf_abi": ([_int], _i64),
+    "pr_gguf_pack_x8": ([_ptr, _ptr, _i64, _i64, _int], _int),
     "pr_kv_gather": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _int], None),
 }
 
@@ -116,7 +117,7 @@ class _Loaded:
     """The one library this process loaded (a shared library is process-wide by nature)."""
     lib: ctypes.CDLL | None = None
     max_rows: int = 0
-    gguf_max_rows: int = 0
+    gguf_x8: int = 0
 
 
 # ---- build and load --------------------------------------------------------------------------------
@@ -543,11 +544,23 @@ def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Te
 
 
 # ---- GGUF block-quantized weights ---------------------------------------------------------------------
-def gguf_max_rows() -> int:
-    """Most rows of x ``cpu_gguf_linear`` takes in one call (GGUF_MAX_ROWS in the C file)."""
-    if not _Loaded.gguf_max_rows:  # read once: the ops check it at every call
-        _Loaded.gguf_max_rows = int(_lib().pr_gguf_abi(0))
-    return _Loaded.gguf_max_rows
+def _gguf_x8() -> int:
+    """The flag a packed weight's type id carries (GGUF_X8 in the C file)."""
+    if not _Loaded.gguf_x8:  # read once: the ops check it at every call
+        _Loaded.gguf_x8 = int(_lib().pr_gguf_abi(2))
+    return _Loaded.gguf_x8
+
+
+def gguf_pack_x8(weight: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, int] | None:
+    """GGUF rows ``weight`` repacked 8 at a time (the C file's x8 layout: an output row per vector lane, the
+    batched product's fast form) and the type id the kernels take it under; None where the type has no such
+    layout or the rows are not a multiple of 8. Same shape and bytes per row; every batch size multiplies
+    a packed weight with one arithmetic, as it does an unpacked one."""
+    _gguf_weight(weight, qtype, k)
+    out = torch.empty_like(weight)
+    if _lib().pr_gguf_pack_x8(_p(weight), _p(out), weight.shape[0], k, qtype):
+        return None
+    return out, qtype | _gguf_x8()
 
 
 def gguf_has_vector_paths() -> bool:
@@ -564,11 +577,16 @@ _gguf_row_bytes = functools.lru_cache(maxsize=256)(gguf_types.row_bytes)  # a fe
 
 
 def _gguf_weight(weight: torch.Tensor, qtype: int, k: int) -> None:
-    """Raise unless ``weight`` is a contiguous uint8 [N, row_bytes(qtype, k)] tensor (the C code reads it raw)."""
-    expected = _gguf_row_bytes(qtype, k)  # raises for an unknown type or a k that is not whole blocks
+    """Raise unless ``weight`` is a contiguous uint8 [N, row_bytes(qtype, k)] tensor (the C code reads it raw;
+    a packed type's rows are its base type's bytes, in whole groups of 8)."""
+    base = qtype & ~_gguf_x8()
+    expected = _gguf_row_bytes(base, k)  # raises for an unknown type or a k that is not whole blocks
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != expected or not weight.is_contiguous():
-        raise ValueError(f"a {gguf_types.gguf_type(qtype).name} weight of {k} inputs per row must be a contiguous "
+        raise ValueError(f"a {gguf_types.gguf_type(base).name} weight of {k} inputs per row must be a contiguous "
                          f"uint8 [N, {expected}] tensor, not {weight.dtype} {list(weight.shape)}")
+    if base != qtype and weight.shape[0] % 8:
+        raise ValueError(f"a packed {gguf_types.gguf_type(base).name} weight has whole groups of 8 rows, "
+                         f"not {weight.shape[0]}")
 
 
 def _gguf_linear_fake(x, weight, bias, qtype, k):
@@ -578,14 +596,15 @@ def _gguf_linear_fake(x, weight, bias, qtype, k):
 @_op("cpu_gguf_linear(Tensor x, Tensor weight, Tensor? bias, int qtype, int k) -> Tensor", _gguf_linear_fake)
 def cpu_gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qtype: int,
                     k: int) -> torch.Tensor:
-    """x [M <= gguf_max_rows(), k] @ dequant(weight).T (+ bias): ``weight`` the GGUF blocks of ggml type
-    ``qtype`` (uint8 [N, row bytes]), never dequantized whole. x is rounded to int8 per 32 inputs first,
-    as llama.cpp does (see the C file): not bit-equal to x @ dequantized.T."""
+    """x [M, k] @ dequant(weight).T (+ bias): ``weight`` the GGUF blocks of ggml type ``qtype``
+    (uint8 [N, row bytes]; or ``gguf_pack_x8``'s repacking and type id), never dequantized whole. x is
+    rounded to int8 per 32 inputs first, as llama.cpp does (see the C file): not bit-equal to
+    x @ dequantized.T. Row m of the result does not depend on the other rows of x."""
     _gguf_weight(weight, qtype, k)
     (m, kx), n = x.shape, weight.shape[0]
-    if kx != k or x.dtype not in DTYPES or not x.is_contiguous() or not 1 <= m <= gguf_max_rows():
-        raise ValueError(f"cpu_gguf_linear takes a contiguous float32/bfloat16 x of 1..{gguf_max_rows()} rows of "
-                         f"{k}, not {x.dtype} {list(x.shape)}")
+    if kx != k or x.dtype not in DTYPES or not x.is_contiguous() or m < 1:
+        raise ValueError(f"cpu_gguf_linear takes a contiguous float32/bfloat16 x of rows of {k}, not {x.dtype} "
+                         f"{list(x.shape)}")
     if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"the bias must be a contiguous {x.dtype} [{n}] tensor")
     out = torch.empty(m, n, dtype=x.dtype)

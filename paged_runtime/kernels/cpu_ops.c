@@ -832,12 +832,17 @@ int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_ca
 
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q4_K = 12, GGUF_Q5_K = 13,
        GGUF_Q6_K = 14 };
+/* Flag on a type id: the rows are repacked 8 at a time (pr_gguf_pack_x8; the "x8" section below). */
+enum { GGUF_X8 = 256 };
+static inline int gguf_base(int qt) { return qt & ~GGUF_X8; }
+static inline int gguf_x8(int qt) { return (qt & GGUF_X8) != 0; }
+static inline int gguf_x8_packable(int qt) { return qt == GGUF_Q4_0 || qt == GGUF_Q4_1 || qt == GGUF_Q8_0; }
 
 static int gguf_force_scalar = 0;
 
 /* Bytes per block; 0 for a type this file does not know. */
 static int64_t gguf_block_bytes(int qt) {
-    switch (qt) {
+    switch (gguf_base(qt)) {
     case GGUF_Q4_0: return 18;
     case GGUF_Q4_1: return 20;
     case GGUF_Q5_0: return 22;
@@ -850,7 +855,7 @@ static int64_t gguf_block_bytes(int qt) {
     }
 }
 
-static inline int gguf_qk(int qt) { return qt >= GGUF_Q4_K ? 256 : 32; } /* weights per block */
+static inline int gguf_qk(int qt) { return gguf_base(qt) >= GGUF_Q4_K ? 256 : 32; } /* weights per block */
 static inline int gguf_has_min(int qt) {
     return qt == GGUF_Q4_1 || qt == GGUF_Q5_1 || qt == GGUF_Q4_K || qt == GGUF_Q5_K;
 }
@@ -960,11 +965,18 @@ static inline void gguf_q_scalar(const uint8_t *p, int s, int qt, int8_t *q) {
     }
 }
 
-/* x rows as int8 runs of 32: run i (row i / runs, flattened) is d[i] * q[32 i ..], with s[i] = d[i] * sum q. */
+/* x rows as int8 runs of 32: run i (row i / runs, flattened) is d[i] * q[32 i ..], with sum[i] = sum q and
+ * s[i] = d[i] * sum[i]. */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *sum;
 } GgufActs;
+
+/* The rows from m of a: its runs from row m's first. */
+static inline GgufActs gguf_acts_from(GgufActs a, int64_t m, int64_t K) {
+    return (GgufActs){a.q + m * K, a.d + m * (K / 32), a.s + m * (K / 32), a.sum + m * (K / 32)};
+}
 
 static void gguf_quantize_run_scalar(const void *x, int64_t i, int dt, GgufActs a) {
     float v[32], amax = 0.f;
@@ -976,7 +988,7 @@ static void gguf_quantize_run_scalar(const void *x, int64_t i, int dt, GgufActs 
         a.q[i * 32 + j] = (int8_t)q;
         sum += q;
     }
-    a.d[i] = d, a.s[i] = d * (float)sum;
+    a.d[i] = d, a.s[i] = d * (float)sum, a.sum[i] = sum;
 }
 
 /* out rows m of one weight row (the run at row), scalar: sums[m] for m < M. */
@@ -1044,7 +1056,8 @@ static void gguf_quantize_run_avx2(const void *x, int64_t i, int dt, GgufActs a)
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-    a.d[i] = d, a.s[i] = d * (float)_mm_cvtsi128_si32(t);
+    int sum = _mm_cvtsi128_si32(t);
+    a.d[i] = d, a.s[i] = d * (float)sum, a.sum[i] = sum;
 }
 
 /* 16 nibbles per byte pair: low nibbles are weights 0-15, high ones 16-31. */
@@ -1286,16 +1299,228 @@ static void gguf_dequantize_range_avx2(const uint8_t *w, int64_t begin, int64_t 
 }
 #endif
 
+
+/* ---- x8: rows repacked 8 at a time, for GEMM-shaped work ---------------------------------------------
+ *
+ * Row by row, every (weight row, x row) pair pays its own horizontal reduction and scaling per 32 weights,
+ * so a batch costs nearly a row's time per row. Repacked, a vector lane is an output row: per 32-run, each x
+ * row's 4 inputs are broadcast against 4 inputs of all 8 weight rows (maddubs), partial sums stay in lanes,
+ * and one scale multiply serves 8 outputs; a weight record is read once per 4 x rows (llama.cpp's AVX2
+ * "Q4_0x8" repack is the same idea).
+ *
+ * Layout (Q4_0, Q4_1, Q8_0; N a multiple of 8): rows 8 g .. 8 g + 7 hold, run after run, a record of
+ * d[8] (fp16, one per row), m[8] (fp16, Q4_1 only) and the 8 rows' quants: for 4-bit types 4 chunks of 32
+ * bytes, byte 4 i + e of chunk c holding row i's q[8 c + e] (low nibble) and q[8 c + 4 + e] (high); for
+ * Q8_0 8 chunks, byte 4 i + e of chunk c row i's q[4 c + e]. The bytes per row are the file's, so a packed
+ * tensor keeps its shape. Q4_0 keeps its unsigned nibbles (its 8 is subtracted as 8 * sum x).
+ *
+ * Arithmetic (the scalar and the vector paths alike, for every batch size): out[m, n] = acc + bias with
+ * acc = 0 and, run by run, acc = fma(t, d * xd, acc) then, for Q4_1, acc = fma(m, xs, acc), t the run's
+ * exact integer dot. */
+static int64_t x8_record_bytes(int base) { return 8 * gguf_block_bytes(base); }
+static inline int x8_quant_offset(int base) { return base == GGUF_Q4_1 ? 32 : 16; }
+
+/* Row i (of 8) of record rec: its 32 quants as the file's q (Q4_0 less its 8) and scales. */
+static void x8_q_scalar(const uint8_t *rec, int i, int base, int8_t *q, GgufScales *sc) {
+    const uint8_t *qs = rec + x8_quant_offset(base);
+    float d = half_at(rec + 2 * i);
+    *sc = (GgufScales){d, d, base == GGUF_Q4_1 ? half_at(rec + 16 + 2 * i) : 0.f};
+    for (int j = 0; j < 32; j++) {
+        if (base == GGUF_Q8_0) q[j] = (int8_t)qs[32 * (j / 4) + 4 * i + j % 4];
+        else {
+            uint8_t b = qs[32 * (j / 8) + 4 * i + j % 4];
+            q[j] = (int8_t)((j % 8 < 4 ? b & 15 : b >> 4) - (base == GGUF_Q4_0 ? 8 : 0));
+        }
+    }
+}
+
+/* Rows [8 g, 8 g + 8) of w (the file's layout, row_bytes apart) repacked into out as above. */
+static void x8_pack_group(const uint8_t *w, int64_t row_bytes, int64_t g, int base, int64_t K, uint8_t *out) {
+    int64_t bb = gguf_block_bytes(base), rb = x8_record_bytes(base);
+    int off = x8_quant_offset(base);
+    for (int64_t r = 0; r < K / 32; r++) {
+        uint8_t *rec = out + g * 8 * row_bytes + r * rb;
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *p = w + (8 * g + i) * row_bytes + r * bb;
+            memcpy(rec + 2 * i, p, 2);
+            if (base == GGUF_Q4_1) memcpy(rec + 16 + 2 * i, p + 2, 2);
+            int8_t q[32];
+            gguf_q_scalar(p, 0, base, q);
+            for (int j = 0; j < 32; j++) {
+                uint8_t u = (uint8_t)(q[j] + (base == GGUF_Q4_0 ? 8 : 0));
+                if (base == GGUF_Q8_0) rec[off + 32 * (j / 4) + 4 * i + j % 4] = u;
+                else if (j % 8 < 4) rec[off + 32 * (j / 8) + 4 * i + j % 4] = u;
+                else rec[off + 32 * (j / 8) + 4 * i + j % 4] |= (uint8_t)(u << 4);
+            }
+        }
+    }
+}
+
+/* out[m, n] for the 8 rows of the group at grp and M x rows, scalar (the arithmetic above). */
+static void x8_dot_scalar(const uint8_t *grp, int64_t K, int base, GgufActs a, int M, float (*acc)[8]) {
+    int64_t runs = K / 32, rb = x8_record_bytes(base);
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < 8; i++) acc[m][i] = 0.f;
+    for (int64_t r = 0; r < runs; r++)
+        for (int i = 0; i < 8; i++) {
+            int8_t q[32];
+            GgufScales sc;
+            x8_q_scalar(grp + r * rb, i, base, q, &sc);
+            for (int m = 0; m < M; m++) {
+                const int8_t *x = a.q + m * K + r * 32;
+                int t = 0;
+                for (int j = 0; j < 32; j++) t += q[j] * x[j];
+                acc[m][i] = fmaf((float)t, sc.lo * a.d[m * runs + r], acc[m][i]);
+                if (base == GGUF_Q4_1) acc[m][i] = fmaf(sc.m, a.s[m * runs + r], acc[m][i]);
+            }
+        }
+}
+
+#if GGUF_AVX2
+/* Run r's exact integer dots of the group's 8 rows (lanes) with x rows g0 .. g0 + G - 1 into t. */
+static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs, const int8_t *xq, int64_t K,
+                                                               const int base, const int G, __m256i *t) {
+    const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < G; g++) t[g] = _mm256_setzero_si256();
+    if (base == GGUF_Q8_0) {
+        for (int c = 0; c < 8; c++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), aw = _mm256_sign_epi8(w, w);
+            for (int g = 0; g < G; g++) {
+                int32_t x4;
+                memcpy(&x4, xq + g * K + 4 * c, 4);
+                __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+                t[g] = _mm256_add_epi32(t[g], _mm256_madd_epi16(p, ones));
+            }
+        }
+        return;
+    }
+    /* int16 sums: 8 maddubs of nibbles (<= 15) and int8 x (|x| <= 128): at most 30720, no overflow */
+    for (int c = 0; c < 4; c++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(b, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+        for (int g = 0; g < G; g++) {
+            int32_t xl, xh;
+            memcpy(&xl, xq + g * K + 8 * c, 4);
+            memcpy(&xh, xq + g * K + 8 * c + 4, 4);
+            t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+            t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+        }
+    }
+    for (int g = 0; g < G; g++) t[g] = _mm256_madd_epi16(t[g], ones);
+}
+
+/* x8_dot_scalar's acc for G (1 to 4) x rows from g0 (lanes: the group's 8 rows) into out[g0 ..]. */
+static inline __attribute__((always_inline)) void x8_dot_avx2(const uint8_t *grp, int64_t K, const int base,
+                                                              GgufActs a, int64_t g0, const int G, float (*out)[8]) {
+    const int64_t runs = K / 32, rb = x8_record_bytes(base);
+    const int off = x8_quant_offset(base);
+    __m256 acc[4];
+    for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < runs; r++) {
+        const uint8_t *rec = grp + r * rb;
+        for (int line = 0; line < rb; line += 64) _mm_prefetch((const char *)rec + PREFETCH + line, _MM_HINT_T0);
+        __m256i t[4];
+        x8_idot_avx2(rec + off, a.q + g0 * K + r * 32, K, base, G, t);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
+        for (int g = 0; g < G; g++) {
+            int64_t at = (g0 + g) * runs + r;
+            __m256i ti = base == GGUF_Q4_0 ? _mm256_sub_epi32(t[g], _mm256_set1_epi32(8 * a.sum[at])) : t[g];
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc[g]);
+        }
+        if (base == GGUF_Q4_1) {
+            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
+            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.s[(g0 + g) * runs + r]), acc[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(out[g0 + g], acc[g]);
+}
+
+static inline __attribute__((always_inline)) void x8_group_avx2(const uint8_t *grp, int64_t K, const int base,
+                                                                GgufActs a, int M, float (*out)[8]) {
+    int g0 = 0;
+    for (; g0 + 4 <= M; g0 += 4) x8_dot_avx2(grp, K, base, a, g0, 4, out);
+    switch (M - g0) {
+    case 1: x8_dot_avx2(grp, K, base, a, g0, 1, out); break;
+    case 2: x8_dot_avx2(grp, K, base, a, g0, 2, out); break;
+    case 3: x8_dot_avx2(grp, K, base, a, g0, 3, out); break;
+    default: break;
+    }
+}
+
+static inline __m128i bf16x8(__m256 v);
+
+/* out[m, n .. n + 7] = acc[m] + bias[n ..], stored in dt: store()'s roundings, 8 at a time. */
+static void x8_store_avx2(float (*acc)[8], const void *bias, int64_t n, int64_t N, int M, void *out, int dt) {
+    __m256 b = bias ? gguf_load8(bias, n, dt) : _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(acc[m]), b);
+        if (dt == BF16) _mm_storeu_si128((__m128i *)((uint16_t *)out + m * N + n), bf16x8(v));
+        else _mm256_storeu_ps((float *)out + m * N + n, v);
+    }
+}
+#endif
+
+/* Output columns [begin, end) (multiples of 8) of out (dt, rows N apart) = a's M rows @ the packed w.T
+ * (+ bias), M <= GGUF_MAX_ROWS. */
+static void x8_linear_rows(const uint8_t *w, int base, const void *bias, int64_t begin, int64_t end, int64_t N,
+                           int64_t K, GgufActs a, int M, void *out, int dt) {
+    int64_t row_bytes = K / 32 * gguf_block_bytes(base);
+    float acc[GGUF_MAX_ROWS][8];
+    for (int64_t n = begin; n < end; n += 8) {
+        const uint8_t *grp = w + n * row_bytes;
+#if GGUF_AVX2
+        if (!gguf_force_scalar) {
+            switch (base) {
+            case GGUF_Q4_0: x8_group_avx2(grp, K, GGUF_Q4_0, a, M, acc); break;
+            case GGUF_Q4_1: x8_group_avx2(grp, K, GGUF_Q4_1, a, M, acc); break;
+            default: x8_group_avx2(grp, K, GGUF_Q8_0, a, M, acc); break;
+            }
+            x8_store_avx2(acc, bias, n, N, M, out, dt);
+            continue;
+        }
+#endif
+        x8_dot_scalar(grp, K, base, a, M, acc);
+        for (int i = 0; i < 8; i++) {
+            float b = bias ? load(bias, n + i, dt) : 0.f;
+            for (int m = 0; m < M; m++) store(out, m * N + n + i, acc[m][i] + b, dt);
+        }
+    }
+}
+
+/* out[N, K] (dt) = the packed w's values, as the file's rows would give them. */
+static void x8_dequantize(const uint8_t *w, void *out, int64_t N, int64_t K, int base, int dt) {
+    int64_t runs = K / 32, row_bytes = runs * gguf_block_bytes(base), rb = x8_record_bytes(base);
+#pragma omp parallel for if (N * runs > 256)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < runs; r++) {
+            int8_t q[32];
+            GgufScales sc;
+            x8_q_scalar(w + (n / 8) * 8 * row_bytes + r * rb, (int)(n % 8), base, q, &sc);
+            for (int j = 0; j < 32; j++) { /* gguf's order: d * q, then + m */
+                float v = sc.lo * (float)q[j];
+                store(out, n * K + r * 32 + j, base == GGUF_Q4_1 ? v + sc.m : v, dt);
+            }
+        }
+}
+
+/* A thread's [begin, end) of a packed matrix's rows moved down to whole groups: applied to every
+ * thread's bounds alike, the ranges still cover the rows once (rows is a multiple of 8). */
+static inline int64_t x8_down(int64_t row) { return row & ~(int64_t)7; }
+
 static inline int gguf_vector(void) { return GGUF_AVX2 && !gguf_force_scalar; }
 
 /* 0 if qt is known and K a whole number of its blocks, else -1. */
-static int gguf_check(int64_t K, int qt) { return gguf_block_bytes(qt) && K > 0 && K % gguf_qk(qt) == 0 ? 0 : -1; }
+static int gguf_check(int64_t K, int qt) {
+    if (gguf_x8(qt) && !gguf_x8_packable(gguf_base(qt))) return -1;
+    return gguf_block_bytes(qt) && K > 0 && K % gguf_qk(qt) == 0 ? 0 : -1;
+}
 
 /* Scratch bytes for M rows of K inputs as int8 runs (GgufActs), and the split of such a buffer. */
-static int64_t gguf_acts_bytes(int64_t M, int64_t K) { return M * K + 2 * (int64_t)sizeof(float) * (M * K / 32); }
+static int64_t gguf_acts_bytes(int64_t M, int64_t K) { return M * K + 3 * (int64_t)sizeof(float) * (M * K / 32); }
 static GgufActs gguf_acts(char *scratch, int64_t M, int64_t K) {
     float *f = (float *)(scratch + M * K);
-    return (GgufActs){(int8_t *)scratch, f, f + M * K / 32};
+    return (GgufActs){(int8_t *)scratch, f, f + M * K / 32, (int32_t *)(f + 2 * (M * K / 32))};
 }
 
 /* Inside a parallel region (every thread calls it: a worksharing loop, with its barrier): x's M * K / 32
@@ -1313,10 +1538,14 @@ static void gguf_quantize_part(const void *x, int64_t M, int64_t K, int dt, Gguf
     }
 }
 
-/* Output columns [begin, end) of out (dt, rows N apart) = the M quantized rows a @ dequant(w).T (+ bias),
- * w's row n giving column n. */
+/* Output columns [begin, end) of out (dt, rows N apart) = the M (<= GGUF_MAX_ROWS) quantized rows a @
+ * dequant(w).T (+ bias), w's row n giving column n. A packed w (GGUF_X8) takes begin and end on whole groups. */
 static void gguf_linear_rows(const uint8_t *w, int qt, const void *bias, int64_t begin, int64_t end, int64_t N,
                              int64_t K, GgufActs a, int M, void *out, int dt) {
+    if (gguf_x8(qt)) {
+        x8_linear_rows(w, gguf_base(qt), bias, begin, end, N, K, a, M, out, dt);
+        return;
+    }
     int64_t row_bytes = K / gguf_qk(qt) * gguf_block_bytes(qt);
     int vector = gguf_vector();
     (void)vector;
@@ -1335,28 +1564,49 @@ static void gguf_linear_rows(const uint8_t *w, int qt, const void *bias, int64_t
     }
 }
 
-/* out[M, N] = x[M, K] @ dequant(w[N, row bytes]).T (+ bias[N]); x, bias, out in dt. Returns -1 for an
- * unknown type, a K that is not whole blocks or M outside 1..GGUF_MAX_ROWS; -2 if scratch is not had. */
+/* out[M, N] = x[M, K] @ dequant(w[N, row bytes]).T (+ bias[N]); x, bias, out in dt. Any M: the x rows
+ * are quantized once, then taken GGUF_MAX_ROWS at a time against each thread's weight rows (which stay in
+ * its cache). Returns -1 for an unknown type, a K that is not whole blocks, a packed w of N not whole
+ * groups or M < 1; -2 if scratch is not had. */
 int pr_gguf_linear(const void *x, const void *w, const void *bias, void *out, int64_t M, int64_t N, int64_t K,
                    int qt, int dt) {
-    if (gguf_check(K, qt) || M < 1 || M > GGUF_MAX_ROWS) return -1;
+    if (gguf_check(K, qt) || M < 1 || (gguf_x8(qt) && N % 8)) return -1;
     char *scratch = alloc_lines(gguf_acts_bytes(M, K));
     if (!scratch) return -2;
     GgufActs a = gguf_acts(scratch, M, K);
+    int64_t elem = dt == BF16 ? 2 : 4;
 #pragma omp parallel
     {
         gguf_quantize_part(x, M, K, dt, a);
         int64_t begin, end;
         thread_range(N, &begin, &end);
-        gguf_linear_rows(w, qt, bias, begin, end, N, K, a, (int)M, out, dt);
+        if (gguf_x8(qt)) begin = x8_down(begin), end = x8_down(end);
+        for (int64_t m = 0; m < M; m += GGUF_MAX_ROWS)
+            gguf_linear_rows(w, qt, bias, begin, end, N, K, gguf_acts_from(a, m, K),
+                             (int)(M - m < GGUF_MAX_ROWS ? M - m : GGUF_MAX_ROWS), (char *)out + m * N * elem, dt);
     }
     free(scratch);
     return 0;
 }
 
+/* out (uint8 [N, row bytes]) = w's rows repacked 8 at a time (the x8 layout); -1 for a type without one
+ * or N not a multiple of 8. */
+int pr_gguf_pack_x8(const void *w, void *out, int64_t N, int64_t K, int qt) {
+    if (gguf_check(K, qt) || gguf_x8(qt) || !gguf_x8_packable(qt) || N % 8) return -1;
+    int64_t row_bytes = K / 32 * gguf_block_bytes(qt);
+    memset(out, 0, N * row_bytes);
+#pragma omp parallel for if (N > 64)
+    for (int64_t g = 0; g < N / 8; g++) x8_pack_group(w, row_bytes, g, qt, K, out);
+    return 0;
+}
+
 /* out[N, K] (dt) = dequant(w[N, row bytes]): gguf.quants.dequantize's values. -1 as pr_gguf_linear. */
 int pr_gguf_dequantize(const void *w, void *out, int64_t N, int64_t K, int qt, int dt) {
-    if (gguf_check(K, qt) || N < 0) return -1;
+    if (gguf_check(K, qt) || N < 0 || (gguf_x8(qt) && N % 8)) return -1;
+    if (gguf_x8(qt)) {
+        x8_dequantize(w, out, N, K, gguf_base(qt), dt);
+        return 0;
+    }
     int64_t runs = N * K / 32, bb = gguf_block_bytes(qt), blocks = K / gguf_qk(qt);
     int per = gguf_qk(qt) / 32, vector = gguf_vector();
 #pragma omp parallel if (runs > 256)
@@ -1380,11 +1630,13 @@ int pr_gguf_dequantize(const void *w, void *out, int64_t N, int64_t K, int qt, i
 /* 1: select the scalar paths even where the vector ones exist (tests); 0: back to the default. */
 void pr_gguf_force_scalar(int on) { gguf_force_scalar = on; }
 
-/* 0: GGUF_MAX_ROWS; 1: whether the vector (AVX2) paths are compiled in; -1 for anything else. */
+/* 0: GGUF_MAX_ROWS; 1: whether the vector (AVX2) paths are compiled in; 2: the GGUF_X8 flag; -1 for
+ * anything else. */
 int64_t pr_gguf_abi(int what) {
     switch (what) {
     case 0: return GGUF_MAX_ROWS;
     case 1: return GGUF_AVX2;
+    case 2: return GGUF_X8;
     default: return -1;
     }
 }
@@ -1431,6 +1683,7 @@ static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, co
     for (int64_t i = 0, first = 0; i < W->parts; first += W->part[i].rows, i++) {
         const Part *part = &W->part[i];
         int64_t lo = begin > first ? begin - first : 0, hi = end - first < part->rows ? end - first : part->rows;
+        if (gguf_x8((int)part->type)) lo = x8_down(lo), hi = x8_down(hi);
         if (lo >= hi) continue;
         /* the part's columns: out and bias shifted by its first row, rows still N apart */
         void *cols = (char *)out + first * elem;
@@ -1444,7 +1697,9 @@ static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, co
 static int matrix_check(const Matrix *W, int64_t K) {
     if (W->parts < 1 || W->parts > MAX_PARTS) return -1;
     for (int64_t i = 0; i < W->parts; i++)
-        if (W->part[i].type != PLAIN && gguf_check(K, (int)W->part[i].type)) return -1;
+        if (W->part[i].type != PLAIN &&
+            (gguf_check(K, (int)W->part[i].type) || (gguf_x8((int)W->part[i].type) && W->part[i].rows % 8)))
+            return -1;
     return 0;
 }
 

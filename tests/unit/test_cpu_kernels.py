@@ -183,10 +183,12 @@ _GGUF_LAYER_TYPES = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_0", 0: "Q5_
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 11])
-def test_fused_decode_layer_takes_gguf_blocks(dtype, rows):
-    """The one-op layer reads GGUF parts (a two-part qkv of mixed types too) as the GGUF method multiplies
-    them, ``cpu_gguf_linear``: the same layer, its linears on the GGUF kernels and the rest on PyTorch ops,
-    gives what the op gives, within the rounding of the PyTorch ops alone."""
+@pytest.mark.parametrize("repack", [True, False])
+def test_fused_decode_layer_takes_gguf_blocks(dtype, rows, repack):
+    """The one-op layer reads GGUF parts (a two-part qkv of mixed types too; repacked x8 parts beside the
+    file's) as the GGUF method multiplies them, ``cpu_gguf_linear``: the same layer, its linears on the GGUF
+    kernels and the rest on PyTorch ops, gives what the op gives, within the rounding of the PyTorch ops
+    alone."""
     import numpy as np
     from paged_runtime.kernels.gguf_types import gguf_type, row_bytes
     from paged_runtime.layers.quantization.gguf import GGUFLinearMethod
@@ -202,9 +204,10 @@ def test_fused_decode_layer_takes_gguf_blocks(dtype, rows):
         return torch.from_numpy(raw), t.id
 
     layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache) = _decode_layer_case(
-        dtype, rows, GGUFLinearMethod(cpu), parts)
+        dtype, rows, GGUFLinearMethod(cpu, repack=repack), parts)
     weights, layout = layer.fused_weights()
-    assert layout[:4] == [2, 1, 1, 1] and sorted(set(layout[4:])) == [2, 3, 6, 7, 8]  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0
+    x8 = 256 if repack else 0  # Q4_0, Q4_1 and Q8_0 repack (their rows are whole groups of 8); Q5s do not
+    assert layout[:4] == [2, 1, 1, 1] and set(layout[4:]) == {6, 7, 2 | x8, 3 | x8, 8 | x8}
     cpu.cpu_decode_layer(x, residual, kv_cache, weights, layout, *step)
     assert close(kv_cache, ref_cache, dtype)
     assert close(residual, ref_residual, dtype)

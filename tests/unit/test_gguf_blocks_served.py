@@ -129,7 +129,7 @@ def test_a_fused_matrix_of_mixed_types_multiplies_per_run(tmp_path, monkeypatch)
     path, _ = write_gguf(tmp_path, lambda name: "Q6_K" if ("attn_v" in name or "ffn_up" in name) else "Q4_K")
     llms = engines(path, monkeypatch, tmp_path)
     qkv = llms["torch"].engine.core.runner.model.layers[0].self_attn.qkv_proj
-    assert [(t.name, rows) for t, rows in qkv.gguf_segments] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
+    assert [(t.name, rows) for t, rows, _ in qkv.gguf_segments] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
     assert greedy(llms["torch"]) == greedy(llms["plain"])
     assert np.abs(scored(llms["kernels"]) - scored(llms["plain"])).max() <= 0.35
 

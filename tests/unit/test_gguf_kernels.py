@@ -6,6 +6,8 @@ against the same rounding emulated in torch (then only fp32 summation order diff
 the sum of |terms|), and against the exact x @ dequant(w).T within the bound that rounding allows
 (each x element moves by at most half its run's step, max|x| / 254, so the sum by sum |w| * that).
 Both the AVX2 and the scalar paths run (``gguf_force_scalar``), and a build without AVX2 is checked too.
+Weights repacked 8 rows at a time (``gguf_pack_x8``) pass the same checks, and their one arithmetic is
+checked bit for bit: scalar against vector, a batch against its rows one by one, one build against another.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C 
 
 WITH_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 PATHS = ("vector", "scalar")
+PACKABLE = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -92,19 +95,28 @@ def int8_runs(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(runs * inv) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("name", supported_names())
+def weight_as(name: str, n: int, k: int, packed: bool, seed: int = 0) -> tuple[np.ndarray, torch.Tensor, int]:
+    """make_weight's rows, and the tensor and type id the kernels take them as (repacked if asked)."""
+    raw = make_weight(name, n, k, seed)
+    w, qtype = torch.from_numpy(raw), gguf_type(name).id
+    if packed:
+        w, qtype = cpu.gguf_pack_x8(w, qtype, k)
+    return raw, w, qtype
+
+
+@pytest.mark.parametrize("name,packed", [(n, False) for n in supported_names()] + [(n, True) for n in PACKABLE])
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_linear_matches_the_dequantized_product(name, dtype, path):
-    qtype = gguf_type(name).id
+def test_linear_matches_the_dequantized_product(name, packed, dtype, path):
+    n = 40 if packed else 37
     for k in shapes(name):
-        raw = make_weight(name, 37, k, seed=k)
-        w, ref_w = torch.from_numpy(raw), reference(raw, name).double()
-        for m in (1, 3, cpu.gguf_max_rows()):
+        raw, w, qtype = weight_as(name, n, k, packed, seed=k)
+        ref_w = reference(raw, name).double()
+        for m in (1, 3, 16, 37):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-            bias = torch.randn(37).to(dtype)
+            bias = torch.randn(n).to(dtype)
             for b in (None, bias):
                 out = cpu.cpu_gguf_linear(x, w, b, qtype, k).double()
-                shift = torch.zeros(37, dtype=torch.float64) if b is None else b.double()
+                shift = torch.zeros(n, dtype=torch.float64) if b is None else b.double()
                 # the same int8 rounding of x: only fp32 summation order (and one bf16 rounding) apart
                 xq = int8_runs(x).double()
                 ref = xq @ ref_w.T + shift
@@ -119,6 +131,44 @@ def test_linear_matches_the_dequantized_product(name, dtype, path):
                 assert ((out - exact).abs() <= step @ ref_w.abs().T + slack).all()
 
 
+@pytest.mark.parametrize("name", PACKABLE)
+def test_packed_weights_hold_the_same_values(name):
+    for k in shapes(name):
+        raw, w, qtype = weight_as(name, 40, k, packed=True)
+        assert w.shape == raw.shape and not torch.equal(w, torch.from_numpy(raw))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(cpu.cpu_gguf_dequantize(w, qtype, k, dtype), reference(raw, name).to(dtype))
+
+
+@pytest.mark.parametrize("name", PACKABLE)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_packed_linear_has_one_arithmetic(name, dtype):
+    """Bit for bit: the vector path gives the scalar path's result, and a row of a batch (37 rows: 16-row
+    passes, 4-row groups and their remainders) what it gives alone."""
+    k = shapes(name)[1]
+    _, w, qtype = weight_as(name, 48, k, packed=True)
+    x, bias = torch.randn(37, k).to(dtype), torch.randn(48).to(dtype)
+    outs = []
+    for scalar in (False, True):
+        cpu.gguf_force_scalar(scalar)
+        try:
+            whole = cpu.cpu_gguf_linear(x, w, bias, qtype, k)
+            alone = torch.cat([cpu.cpu_gguf_linear(x[i:i + 1].contiguous(), w, bias, qtype, k) for i in range(37)])
+        finally:
+            cpu.gguf_force_scalar(False)
+        assert torch.equal(whole, alone)
+        outs.append(whole)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_only_whole_groups_of_known_types_pack():
+    assert cpu.gguf_pack_x8(torch.from_numpy(make_weight("Q4_1", 12, 64)), gguf_type("Q4_1").id, 64) is None
+    assert cpu.gguf_pack_x8(torch.from_numpy(make_weight("Q5_0", 16, 64)), gguf_type("Q5_0").id, 64) is None
+    _, w, qtype = weight_as("Q4_1", 16, 64, packed=True)
+    with pytest.raises(ValueError, match="whole groups of 8"):
+        cpu.cpu_gguf_linear(torch.randn(1, 64), w[:12].contiguous(), None, qtype, 64)
+
+
 def test_linear_rejects_bad_input():
     raw = torch.from_numpy(make_weight("Q4_1", 8, 64))
     x = torch.randn(1, 64)
@@ -127,7 +177,7 @@ def test_linear_rejects_bad_input():
     with pytest.raises(ValueError, match="uint8 \\[N, 40\\]"):
         cpu.cpu_gguf_linear(x, raw[:, :20], None, 3, 64)
     with pytest.raises(ValueError, match="rows of 64"):
-        cpu.cpu_gguf_linear(torch.randn(cpu.gguf_max_rows() + 1, 64), raw, None, 3, 64)
+        cpu.cpu_gguf_linear(torch.randn(0, 64), raw, None, 3, 64)
     with pytest.raises(ValueError, match="bias"):
         cpu.cpu_gguf_linear(x, raw, torch.zeros(7), 3, 64)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
@@ -166,3 +216,9 @@ def test_a_build_without_avx2_runs_the_scalar_paths(tmp_path):
         assert lib.pr_gguf_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 3, 37, k, qtype, 0) == 0
         xq = int8_runs(x).double()
         assert ((y.double() - xq @ ref.double().T).abs() <= 1e-5 * (xq.abs() @ ref.double().abs().T)).all()
+    for name in PACKABLE:  # the packed arithmetic is the same bits in any build
+        k = shapes(name)[1]
+        _, w, qtype = weight_as(name, 40, k, packed=True)
+        x, y = torch.randn(5, k), torch.empty(5, 40)
+        assert lib.pr_gguf_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 5, 40, k, qtype, 0) == 0
+        assert torch.equal(y, cpu.cpu_gguf_linear(x, w, None, qtype, k))
