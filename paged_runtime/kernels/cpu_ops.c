@@ -25,7 +25,7 @@
 
 enum { F32 = 0, BF16 = 1 };
 #ifndef MAX_ROWS
-#define MAX_ROWS 16 /* linear() and decode_layer(): rows of x per weight pass */
+#define MAX_ROWS 32 /* linear() and decode_layer(): rows of x per weight pass */
 #endif
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the weight stream */
