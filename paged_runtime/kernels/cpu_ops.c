@@ -308,22 +308,47 @@ int pr_linear(const void *x, const void *w, const void *bias, void *out, int64_t
 /* ---- RMSNorm, optionally after the residual add --------------------------------------------- */
 
 /* One row: with residual, residual += x (stored in dt) and the norm is of residual. Writes
- * weight * dt(h * rsqrt(mean(h^2) + eps)) to out (dt) and, if xf, its fp32 value to xf. */
+ * weight * dt(h * rsqrt(mean(h^2) + eps)) to out (dt) and, if xf, its fp32 value to xf. With vector paths
+ * the sum of squares runs in 16 lanes (then summed across), the elementwise steps 16 at a time. */
 static void rms_norm_row(const void *x, void *residual, const void *weight, void *out, float *xf, int64_t m,
                          int64_t K, float eps, int dt) {
     const void *src = x;
+    int64_t k0 = 0;
     if (residual) {
-        for (int64_t k = 0; k < K; k++)
+#ifdef VEC16
+        for (; k0 + 16 <= K; k0 += 16)
+            store16(residual, m * K + k0, round16(v16_add(load16(residual, m * K + k0, dt), load16(x, m * K + k0, dt)), dt), dt);
+#endif
+        for (int64_t k = k0; k < K; k++)
             store(residual, m * K + k, load(residual, m * K + k, dt) + load(x, m * K + k, dt), dt);
         src = residual;
     }
     float ss = 0.f;
-    for (int64_t k = 0; k < K; k++) {
+    k0 = 0;
+#ifdef VEC16
+    {
+        V16 acc = v16_zero();
+        for (; k0 + 16 <= K; k0 += 16) {
+            V16 h = load16(src, m * K + k0, dt);
+            acc = v16_add(acc, v16_mul(h, h));
+        }
+        ss = v16_sum(acc);
+    }
+#endif
+    for (int64_t k = k0; k < K; k++) {
         float h = load(src, m * K + k, dt);
         ss += h * h;
     }
     float inv = 1.f / sqrtf(ss / (float)K + eps);
-    for (int64_t k = 0; k < K; k++) {
+    k0 = 0;
+#ifdef VEC16
+    for (; k0 + 16 <= K; k0 += 16) {
+        V16 v = round16(v16_mul(load16(weight, k0, dt), round16(v16_mul(load16(src, m * K + k0, dt), v16_set1(inv)), dt)), dt);
+        if (out) store16(out, m * K + k0, v, dt);
+        if (xf) v16_storef(xf + m * K + k0, v);
+    }
+#endif
+    for (int64_t k = k0; k < K; k++) {
         float v = rnd(load(weight, k, dt) * rnd(load(src, m * K + k, dt) * inv, dt), dt);
         if (out) store(out, m * K + k, v, dt);
         if (xf) xf[m * K + k] = v;
@@ -346,8 +371,19 @@ static void rope_row(void *qk, int64_t row_stride, int64_t position, const float
     int64_t half = dim / 2;
     const float *c = cos_table + position * dim, *s = sin_table + position * dim;
     for (int64_t h = 0; h < heads; h++) {
-        int64_t base = m * row_stride + h * dim;
-        for (int64_t i = 0; i < half; i++) {
+        int64_t base = m * row_stride + h * dim, i = 0;
+#ifdef VEC16
+        for (; i + 16 <= half; i += 16) { /* the same operations, 16 at a time */
+            V16 x1 = load16(qk, base + i, dt), x2 = load16(qk, base + half + i, dt);
+            V16 c1 = round16(v16_loadf(c + i), dt), c2 = round16(v16_loadf(c + half + i), dt);
+            V16 s1 = round16(v16_loadf(s + i), dt), s2 = round16(v16_loadf(s + half + i), dt);
+            V16 lo = v16_add(round16(v16_mul(x1, c1), dt), round16(v16_mul(v16_mul(x2, v16_set1(-1.f)), s1), dt));
+            V16 hi = v16_add(round16(v16_mul(x2, c2), dt), round16(v16_mul(x1, s2), dt));
+            store16(qk, base + i, round16(lo, dt), dt);
+            store16(qk, base + half + i, round16(hi, dt), dt);
+        }
+#endif
+        for (; i < half; i++) {
             float x1 = load(qk, base + i, dt), x2 = load(qk, base + half + i, dt);
             float lo = rnd(x1 * rnd(c[i], dt), dt) + rnd(-x2 * rnd(s[i], dt), dt);
             float hi = rnd(x2 * rnd(c[half + i], dt), dt) + rnd(x1 * rnd(s[half + i], dt), dt);
