@@ -1,15 +1,18 @@
 """Paged attention with the compiled CPU kernels: the CPU path when the kernels are on.
 
-Every query row (decodes, each verification's last token and drafts, and every token
-of a prompt chunk) is attended by ``paged_runtime::cpu_paged_decode_attention``
+Query rows (decodes, each verification's last token and drafts, and the tokens of
+small prompt chunks) are attended by ``paged_runtime::cpu_paged_decode_attention``
 straight from the paged cache, each row over its own causal context (the step's
 store happens before any row attends, so a row sees the rows before it): no gather,
-no padding, no mask, so one group holds them all, and a token's attention is the
-same arithmetic whether it came in a prompt or was decoded. A sliding-window layer's
-rows read only their last W tokens (the kernel starts at the window's block: O(W)
-per row), a soft-capped layer's scores are capped in the kernel. (Prompts through
-PyTorch's SDPA cost ~0.3 ms a call, per chunk and layer: a 32-prompt prefill spent
-more there than in the kernel's whole attention.)
+no padding, no mask, so consecutive such rows form one group. A sliding-window
+layer's rows read only their last W tokens (the kernel starts at the window's block:
+O(W) per row), a soft-capped layer's scores are capped in the kernel.
+
+A prompt chunk is small when its queries times its context are at most
+``SMALL_CHUNK`` (128 x 128): there the kernel beats PyTorch's SDPA, whose ~0.3 ms a
+call per chunk and layer dominated a prefill of many short prompts; past it SDPA's
+blocked products win (1.4x at 128 queries over 1,024 keys, 2.7x on a whole
+2,048-token prompt), so larger chunks run as in the torch backend.
 
 A step of rows only (no prompt chunk) is ``rows_only``: the CPU op set may then run
 each decoder layer as one op, which reads ``decode_rows``, ``positions`` and
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_runtime.attention.torch_backend import AttentionMetadata
+from paged_runtime.attention.torch_backend import AttentionMetadata, prefill_chunk
 from paged_runtime.batch import StepBatch
 from paged_runtime.kernels import cpu as cpu_kernels
 
@@ -62,9 +65,29 @@ class CpuAttentionMetadata(AttentionMetadata):
         return self.slot_mapping.shape[0]
 
 
+SMALL_CHUNK = 128 * 128  # queries x context of a prompt chunk the kernel attends (see above)
+
+
 def build_metadata(batch: StepBatch, device: torch.device) -> CpuAttentionMetadata:
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-    rows = DecodeRows(0, to(batch.block_tables[batch.row_owner]), to(batch.positions + 1), batch.block_size)
-    rows_only = batch.num_decodes + batch.num_verifies == batch.num_items  # no prompt chunk: the one-op layer
-    return CpuAttentionMetadata(to(batch.slot_mapping), [rows], [], to(batch.positions), rows, rows_only,
-                                batch.block_size)
+    num_rows = batch.num_decodes + batch.num_verifies
+    small = np.arange(batch.num_items) < num_rows
+    small |= batch.query_lens * batch.seq_lens <= SMALL_CHUNK
+    groups, chunks = [], []
+    for first, end in _runs(small):  # consecutive items alike: one kernel group, or SDPA chunk by chunk
+        if small[first]:
+            rows = slice(int(batch.query_start_loc[first]), int(batch.query_start_loc[end]))
+            groups.append(DecodeRows(rows.start, to(batch.block_tables[batch.row_owner[rows]]),
+                                     to(batch.positions[rows] + 1), batch.block_size))
+        else:
+            chunks += [prefill_chunk(batch, i, to) for i in range(first, end)]
+    rows_only = num_rows == batch.num_items  # no prompt chunk: the one-op layer
+    return CpuAttentionMetadata(to(batch.slot_mapping), groups, chunks, to(batch.positions),
+                                groups[0] if rows_only else None, rows_only, batch.block_size)
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """[first, end) of each run of equal consecutive flags."""
+    edges = np.flatnonzero(np.diff(flags.astype(np.int8))) + 1
+    bounds = [0, *edges.tolist(), len(flags)]
+    return list(zip(bounds[:-1], bounds[1:]))
