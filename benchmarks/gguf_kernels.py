@@ -2,9 +2,11 @@
 
 What it measures
     For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, LM
-    head 49152x576; N x K) and M = 1 and 16 rows of bfloat16 activations: milliseconds per call and the
-    weight bytes streamed per second, for the GGUF types Q4_1, Q8_0, Q4_K, Q6_K and for a bfloat16 weight
-    through ``F.linear``, all in the same run with torch on 2 threads. Each call reads a different copy of
+    head 49152x576; N x K) and M = 1, 16 and 128 rows of bfloat16 activations (128: not the LM head, which
+    a prefill multiplies by its last rows only): milliseconds per call and the weight bytes streamed per
+    second, for the GGUF types Q4_1, Q8_0, Q4_K, Q6_K, for Q4_1 and Q8_0 repacked 8 rows at a time as the
+    engine holds them (``x8``, ``cpu.gguf_pack_x8``) and for a bfloat16 weight through ``F.linear``, all in
+    the same run with torch on 2 threads. Each call reads a different copy of
     the weight (enough copies for 64 MiB) so the weights come from memory, not from the caches, as in a
     decode step over a whole model. K-quants need K a multiple of 256: 576 is not (n/a), as in llama.cpp.
     Best of ``--repeats`` timings of ``--calls`` calls each. Also ``cpu_gguf_dequantize`` of each weight to
@@ -36,7 +38,7 @@ from paged_runtime.kernels.gguf_types import GGUF_TYPES, row_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q6_K")
+TYPES = ("Q4_1", "Q4_1 x8", "Q8_0", "Q8_0 x8", "Q4_K", "Q6_K")
 STREAM_BYTES = 64 << 20  # copies of a weight cycled through: more than the last-level cache
 
 
@@ -82,19 +84,22 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows, table, dequant = [], [], []
     for shape, (n, k) in SHAPES.items():
-        for m in (1, 16):
+        for m in (1, 16) if shape == "lm_head" else (1, 16, 128):
             x = torch.randn(m, k, generator=gen).bfloat16()
             dense = torch.randn(n, k, generator=gen).bfloat16()
             cells = {"bf16": (best_ms(lambda w: F.linear(x, w), copies(dense), args.calls, args.repeats),
                               dense.numel() * 2)}
             for name in TYPES:
-                if k % GGUF_TYPES[name].block_elems:
+                base, packed = name.split()[0], name.endswith("x8")
+                if k % GGUF_TYPES[base].block_elems:
                     cells[name] = (None, None)
                     continue
-                w, qtype = gguf_weight(name, n, k, gen), GGUF_TYPES[name].id
+                w, qtype = gguf_weight(base, n, k, gen), GGUF_TYPES[base].id
+                if packed:
+                    w, qtype = cpu.gguf_pack_x8(w, qtype, k)
                 ms = best_ms(lambda w: cpu.cpu_gguf_linear(x, w, None, qtype, k), copies(w), args.calls, args.repeats)
                 cells[name] = (ms, w.numel())
-                if m == 1:
+                if m == 1 and not packed:
                     ms = best_ms(lambda w: cpu.cpu_gguf_dequantize(w, qtype, k, torch.bfloat16), copies(w),
                                  max(2, args.calls // 4), args.repeats)
                     dequant.append({"shape": shape, "n": n, "k": k, "method": name, "ms": ms, "weight_bytes": w.numel(),
@@ -113,7 +118,7 @@ def main() -> None:
     for shape, n, k, m, cells in table:
         line = f"{shape:9}{f'{n}x{k}':>12}{m:>4}  "
         for method in methods:
-            ms, nbytes = cells[method]
+            ms, nbytes = cells.get(method, (None, None))
             line += f"{'n/a':>17}" if ms is None else f"{ms:9.3f}{nbytes / ms / 1e6:8.1f}"
         print(line)
     print("\ncpu_gguf_dequantize to bfloat16: ms (GB/s of weight bytes)")

@@ -1413,6 +1413,10 @@ static void x8_dot_scalar(const uint8_t *grp, int64_t K, int base, GgufActs a, i
 }
 
 #if GGUF_AVX2
+/* Keeps v in a register here: unpinned, GCC computes a run's products first and spills them to sum them
+ * after (integer adds reassociate): 1.3x slower, measured. */
+#define X8_PIN(v) __asm__("" : "+x"(v))
+
 /* Run r's exact integer dots of the group's 8 rows (lanes) with x rows g0 .. g0 + G - 1 into t. */
 static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs, const int8_t *xq, int64_t K,
                                                                const int base, const int G, __m256i *t) {
@@ -1426,6 +1430,7 @@ static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs
                 memcpy(&x4, xq + g * K + 4 * c, 4);
                 __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
                 t[g] = _mm256_add_epi32(t[g], _mm256_madd_epi16(p, ones));
+                X8_PIN(t[g]);
             }
         }
         return;
@@ -1440,6 +1445,7 @@ static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs
             memcpy(&xh, xq + g * K + 8 * c + 4, 4);
             t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
             t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+            X8_PIN(t[g]);
         }
     }
     for (int g = 0; g < G; g++) t[g] = _mm256_madd_epi16(t[g], ones);
