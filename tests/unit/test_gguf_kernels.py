@@ -169,6 +169,29 @@ def test_only_whole_groups_of_known_types_pack():
         cpu.cpu_gguf_linear(torch.randn(1, 64), w[:12].contiguous(), None, qtype, 64)
 
 
+def test_a_tied_vocabulary_repacks_once_and_looks_rows_up_by_id():
+    """The GGUF method repacks a Q8_0 vocabulary; the LM head tied to it holds the same tensor, and the
+    embedding's lookups (each id's group of 8 rows dequantized) give the file's rows."""
+    from torch import nn
+
+    from paged_runtime.layers.linear import SINGLE
+    from paged_runtime.layers.quantization.gguf import GGUFLinearMethod
+    method, raw = GGUFLinearMethod(cpu), make_weight("Q8_0", 40, 64)
+    embedding, head = nn.Module(), nn.Module()
+    for layer in (embedding, head):
+        layer.tp, layer.input_size = SINGLE, 64
+        method.create_weights(layer, torch.float32, torch.device("cpu"))
+    embedding.qweight.weight_loader(embedding.qweight, torch.from_numpy(raw))
+    embedding.qweight_type.weight_loader(embedding.qweight_type, torch.full((40,), gguf_type("Q8_0").id))
+    method.tie(head, embedding)
+    for layer in (embedding, head):
+        method.process_weights_after_loading(layer)
+    (_, kernel_id, packed), = method.segments(embedding)
+    assert kernel_id == gguf_type("Q8_0").id | 256 and head.qweight_0 is packed
+    ids = torch.tensor([0, 7, 8, 39, 13, 13])
+    assert torch.equal(method.embed(embedding, ids), reference(raw, "Q8_0")[ids])
+
+
 def test_linear_rejects_bad_input():
     raw = torch.from_numpy(make_weight("Q4_1", 8, 64))
     x = torch.randn(1, 64)
