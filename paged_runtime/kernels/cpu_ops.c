@@ -1490,8 +1490,6 @@ static inline __attribute__((always_inline)) void x8_group_avx2(const uint8_t *g
     }
 }
 
-static inline __m128i bf16x8(__m256 v);
-
 /* out[m, n .. n + 7] = acc[m] + bias[n ..], stored in dt: store()'s roundings, 8 at a time. */
 static void x8_store_avx2(float (*acc)[8], const void *bias, int64_t n, int64_t N, int M, void *out, int dt) {
     __m256 b = bias ? gguf_load8(bias, n, dt) : _mm256_setzero_ps();
@@ -1503,13 +1501,17 @@ static void x8_store_avx2(float (*acc)[8], const void *bias, int64_t n, int64_t 
 }
 #endif
 
-/* Output columns [begin, end) (multiples of 8) of out (dt, rows N apart) = a's M rows @ the packed w.T
+/* A thread's [begin, end) of a packed matrix's rows moved down to whole groups: applied to every
+ * thread's bounds alike, the ranges still cover the rows once (rows is a multiple of 8). */
+static inline int64_t x8_down(int64_t row) { return row & ~(int64_t)7; }
+
+/* Output columns [x8_down(begin), x8_down(end)) of out (dt, rows N apart) = a's M rows @ the packed w.T
  * (+ bias), M <= GGUF_MAX_ROWS. */
 static void x8_linear_rows(const uint8_t *w, int base, const void *bias, int64_t begin, int64_t end, int64_t N,
                            int64_t K, GgufActs a, int M, void *out, int dt) {
     int64_t row_bytes = K / 32 * gguf_block_bytes(base);
     float acc[GGUF_MAX_ROWS][8];
-    for (int64_t n = begin; n < end; n += 8) {
+    for (int64_t n = x8_down(begin); n < x8_down(end); n += 8) {
         const uint8_t *grp = w + n * row_bytes;
 #if GGUF_AVX2
         if (!gguf_force_scalar) {
@@ -1546,10 +1548,6 @@ static void x8_dequantize(const uint8_t *w, void *out, int64_t N, int64_t K, int
         }
 }
 
-/* A thread's [begin, end) of a packed matrix's rows moved down to whole groups: applied to every
- * thread's bounds alike, the ranges still cover the rows once (rows is a multiple of 8). */
-static inline int64_t x8_down(int64_t row) { return row & ~(int64_t)7; }
-
 static inline int gguf_vector(void) { return GGUF_AVX2 && !gguf_force_scalar; }
 
 /* 0 if qt is known and K a whole number of its blocks, else -1. */
@@ -1581,7 +1579,8 @@ static void gguf_quantize_part(const void *x, int64_t M, int64_t K, int dt, Gguf
 }
 
 /* Output columns [begin, end) of out (dt, rows N apart) = the M (<= GGUF_MAX_ROWS) quantized rows a @
- * dequant(w).T (+ bias), w's row n giving column n. A packed w (GGUF_X8) takes begin and end on whole groups. */
+ * dequant(w).T (+ bias), w's row n giving column n. A packed w (GGUF_X8) moves begin and end down to whole
+ * groups (x8_down), so the threads' contiguous ranges still split its rows exactly. */
 static void gguf_linear_rows(const uint8_t *w, int qt, const void *bias, int64_t begin, int64_t end, int64_t N,
                              int64_t K, GgufActs a, int M, void *out, int dt) {
     if (gguf_x8(qt)) {
@@ -1622,7 +1621,6 @@ int pr_gguf_linear(const void *x, const void *w, const void *bias, void *out, in
         gguf_quantize_part(x, M, K, dt, a);
         int64_t begin, end;
         thread_range(N, &begin, &end);
-        if (gguf_x8(qt)) begin = x8_down(begin), end = x8_down(end);
         for (int64_t m = 0; m < M; m += GGUF_MAX_ROWS)
             gguf_linear_rows(w, qt, bias, begin, end, N, K, gguf_acts_from(a, m, K),
                              (int)(M - m < GGUF_MAX_ROWS ? M - m : GGUF_MAX_ROWS), (char *)out + m * N * elem, dt);
@@ -1725,7 +1723,6 @@ static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, co
     for (int64_t i = 0, first = 0; i < W->parts; first += W->part[i].rows, i++) {
         const Part *part = &W->part[i];
         int64_t lo = begin > first ? begin - first : 0, hi = end - first < part->rows ? end - first : part->rows;
-        if (gguf_x8((int)part->type)) lo = x8_down(lo), hi = x8_down(hi);
         if (lo >= hi) continue;
         /* the part's columns: out and bias shifted by its first row, rows still N apart */
         void *cols = (char *)out + first * elem;
