@@ -2,8 +2,11 @@
 
 The library is built with the system C compiler (``-O3 -march=native -fopenmp``,
 about a second) into ``<cache_dir>/kernels/``, named by a hash of the source,
-the compiler and the CPU's feature flags, so a later start loads it at once and a
-changed source or machine rebuilds it. ``load(cache_dir)`` returns False, with one
+the compiler, its flags and the CPU's feature flags, so a later start loads it at once and a
+changed source or machine rebuilds it. ``$PAGED_RUNTIME_CPU_ISA`` builds it for less than this
+CPU has (``ISAS``: ``avx2`` on an AVX-512 CPU runs the AVX2 paths, as on a CPU without AVX-512;
+``scalar`` the plain loops), process-wide like PyTorch's ``ATEN_CPU_CAPABILITY``: tests run every
+variant the CPU can, and a user can rule out a path. ``load(cache_dir)`` returns False, with one
 warning, where anything fails (no compiler, a failed build, a library without the
 expected symbols or with other struct sizes, an OSError): the PyTorch path runs.
 
@@ -57,7 +60,15 @@ SOURCE = Path(__file__).with_name("cpu_ops.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The cache's element kind (cpu_ops.c's KV_MODEL / KV_FP8 / KV_INT8): an 8-bit cache (kernels/kv_quant.py).
 KV_DTYPES = {torch.float8_e4m3fn: 1, torch.int8: 2}
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ISA_ENV = "PAGED_RUNTIME_CPU_ISA"
+# The instruction sets the library can be built for: -march, and the /proc/cpuinfo flags the build needs.
+# "auto" is whatever this CPU has; the x86-64 levels are the psABI's (v4: AVX-512 F/BW/CD/DQ/VL; v3: AVX2,
+# FMA, F16C).
+ISAS = {"auto": ("native", ()),
+        "avx512": ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
+        "avx2": ("x86-64-v3", ("avx2", "fma", "f16c")),
+        "scalar": ("x86-64", ())}
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -133,7 +144,28 @@ def has_vector_paths() -> bool:
     loops). Elsewhere they fall back to scalar loops, which measured 2.1x slower than the PyTorch path at
     batch 1 in bfloat16 (80 vs 38 ms a step, SmolLM2 on a 2-core AMD EPYC, ``benchmarks/cpu_decode.py``)."""
     flags = set(_cpu_flags().split())
-    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
+    return isa() != "scalar" and ("avx512f" in flags or {"avx2", "fma", "f16c"} <= flags)
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: ``$PAGED_RUNTIME_CPU_ISA`` or "auto"; ValueError for a
+    name not in ``ISAS`` or one this CPU lacks."""
+    name = os.environ.get(ISA_ENV) or "auto"
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}; got {name!r}")
+    missing = sorted(set(ISAS[name][1]) - set(_cpu_flags().split()))
+    if missing:
+        raise ValueError(f"{ISA_ENV}={name}: this CPU lacks {', '.join(missing)}")
+    return name
+
+
+def cpu_has(name: str) -> bool:
+    """Whether this CPU can run the kernels built for ISA ``name``."""
+    return set(ISAS[name][1]) <= set(_cpu_flags().split())
+
+
+def _build_flags() -> list[str]:
+    return [f"-march={ISAS[isa()][0]}", *_FLAGS]
 
 
 def _compiler() -> str | None:
@@ -151,7 +183,7 @@ class _Untrusted(Exception):
 def library_path(cache_dir: str | Path, compiler: str | None = None) -> Path:
     """Where ``load(cache_dir)`` keeps the library for this source, compiler and CPU."""
     compiler = compiler or _compiler() or ""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_build_flags(), _cpu_flags()]).encode()).hexdigest()[:16]
     return Path(cache_dir) / KERNELS_FOLDER / f"cpu_ops-{key}.so"
 
 
@@ -213,7 +245,7 @@ def _build(compiler: str, dir_fd: int, folder: Path, name: str) -> None:
     never sees a half-written library, and the linker's umask-given mode never lasts."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", f"{_fd_path(dir_fd, folder)}/{tmp}", "-lm"],
+        subprocess.run([compiler, *_build_flags(), str(SOURCE), "-o", f"{_fd_path(dir_fd, folder)}/{tmp}", "-lm"],
                        check=True, capture_output=True, text=True, timeout=120, pass_fds=(dir_fd,))
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
@@ -274,6 +306,7 @@ def load(cache_dir: str | Path) -> bool:
     """Build (if needed) and load the kernels from ``cache_dir``; False, with one warning, where that fails
     for any reason (no compiler, a failed build, a library that does not load or bind): the PyTorch path
     runs then, start-up never fails here."""
+    name = isa()  # a wrong $PAGED_RUNTIME_CPU_ISA is the user's mistake: said, never a silent fallback
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: the CPU decode kernels are off (PyTorch path)")
@@ -286,6 +319,7 @@ def load(cache_dir: str | Path) -> bool:
         logger.warning("the CPU decode kernels did not load, using the PyTorch path: %s", detail)
         return False
     _Loaded.lib, _Loaded.max_rows = lib, lib.pr_abi(0)
+    logger.info("CPU kernels loaded, built for %s (-march=%s)", name, ISAS[name][0])
     return True
 
 

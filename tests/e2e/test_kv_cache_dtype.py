@@ -143,42 +143,104 @@ PROMPTS = ["The capital of France is", "A lighthouse keeper's work began", "def 
 
 @pytest.fixture(scope="module")
 def smollm2_engines(smollm2_dir):
-    """The dequantized weights (quantization="none"): the cache's rounding alone, not the GGUF kernels' too."""
-    engines = {name: make_llm(smollm2_dir, quantization="none", dtype="bfloat16", kv_cache_dtype=name,
-                              max_model_len=1024, kv_cache_memory=64 << 20, debug_checks=False)
-               for name in ("auto",) + NAMES}
+    """The dequantized weights (quantization="none"): the cache's rounding alone, not the GGUF kernels' too.
+    "auto-pytorch" is bfloat16 again through plain PyTorch: a second arithmetic that is also right."""
+    settings = dict(quantization="none", dtype="bfloat16", max_model_len=1024, kv_cache_memory=64 << 20,
+                    debug_checks=False)
+    engines = {name: make_llm(smollm2_dir, kv_cache_dtype=name, **settings) for name in ("auto",) + NAMES}
+    engines["auto-pytorch"] = make_llm(smollm2_dir, kv_cache_dtype="auto", cpu_kernels=False, **settings)
     yield engines
     for llm in engines.values():
         llm.engine.core.shutdown()
 
 
 def test_8_bit_kv_perplexity_is_within_2_percent_of_bfloat16(smollm2_engines):
+    """2% is the quality bar, not a measured figure (measured: fp8 and int8 within 0.5%): a cache that costs
+    more perplexity than that is not worth its memory. A wrong read costs far more (tens of percent)."""
     ids = smollm2_engines["auto"].get_tokenizer().encode(TEXT.read_text())[:SCORED_TOKENS]
-    result = {name: perplexity(llm, ids, WINDOW) for name, llm in smollm2_engines.items()}
+    result = {name: perplexity(smollm2_engines[name], ids, WINDOW) for name in ("auto",) + NAMES}
     print("\nKV cache perplexity over", len(ids), "tokens:",
           ", ".join(f"{n} {p:.3f} ({p / result['auto'] - 1:+.2%})" for n, p in result.items()))
     assert result["fp8"] <= 1.02 * result["auto"], result
     assert result["int8"] <= 1.02 * result["auto"], result
 
 
-def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines):
-    """Greedy tokens equal bfloat16's until a near-tie: where a completion first differs, the 8-bit cache's
-    token was within 0.75 nats of bfloat16's choice under bfloat16's own distribution (measured: fp8 16, 2,
-    13, 16 tokens before a first difference, its tokens there 0.25 nats behind; since prompts attend
-    through the CPU kernel too, one parts at its last token 0.50 nats behind). A wrong read of the cache
-    diverges at once, to a token bfloat16 finds far less likely."""
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
-    outs = {n: [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-            for n, llm in smollm2_engines.items()}
-    for name in NAMES:
-        same = [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids))
-                for x, y in zip(outs["auto"], outs[name])]
-        print(f"\n{name} KV: tokens matching bfloat16 before the first difference (of 16):", same)
-        assert min(same) >= 1, same
-        for ref, out, i in zip(outs["auto"], outs[name], same):
-            if i < len(ref.token_ids):
-                choices = ref.logprobs[i]  # bfloat16's top 5 where the completions part
-                gap = choices[ref.token_ids[i]].logprob - choices[out.token_ids[i]].logprob \
-                    if out.token_ids[i] in choices else float("inf")
-                print(f"  at token {i}: {name}'s choice {gap:.3f} nats behind bfloat16's")
-                assert gap <= 0.75, (name, i, gap)
+TOP = 5  # logprobs asked for: the candidates a near-tie is looked for among (of 49,152 tokens)
+# An 8-bit cache rounds each K/V element 16x as coarsely as bfloat16 does (e4m3 keeps 3 fraction bits,
+# bfloat16 7; int8's per-row scale is finer than e4m3), so the logprobs may move up to 16x as far as two
+# bfloat16 arithmetics that are both right disagree: the bound is measured, not chosen, on every machine.
+PRECISION_RATIO = 2 ** (7 - 3)
+
+
+def greedy(llm) -> list:
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=TOP)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def first_difference(ref, out) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b), None)
+
+
+def spread(refs, outs) -> float:
+    """The largest logprob difference of a token both list, at every position where the two saw the same text."""
+    diffs = [abs(ref.logprobs[j][t].logprob - out.logprobs[j][t].logprob)
+             for ref, out in zip(refs, outs) for j in range(first_difference(ref, out) or len(ref.token_ids))
+             for t in ref.logprobs[j].keys() & out.logprobs[j].keys()]
+    return max(diffs)
+
+
+def parting_problems(refs, outs, bound: float) -> list[str]:
+    """Where a completion parts from the reference (the same text before it, so the same question asked of
+    both), each side's token must be a near-tie seen from both sides: in both top-TOP lists, and within
+    ``bound`` nats of the other side's choice under both distributions. A wrong cache read diverges at once
+    to a token the reference finds far less likely (outside its top 5 of 49,152, or many nats behind)."""
+    problems = []
+    for p, (ref, out) in enumerate(zip(refs, outs)):
+        i = first_difference(ref, out)
+        if i is None:
+            continue
+        a, b = ref.token_ids[i], out.token_ids[i]
+        ref_lp, out_lp = ref.logprobs[i], out.logprobs[i]
+        if b not in ref_lp or a not in out_lp:
+            problems.append(f"prompt {p} token {i}: {b} not in the reference's top {TOP} or {a} not in its own")
+            continue
+        gaps = (ref_lp[a].logprob - ref_lp[b].logprob, out_lp[b].logprob - out_lp[a].logprob)
+        print(f"  prompt {p} parts at token {i}: {gaps[0]:.3f} nats behind the reference's choice, "
+              f"{gaps[1]:.3f} ahead in its own")
+        if max(gaps) > bound:
+            problems.append(f"prompt {p} token {i}: gaps {gaps} beyond {bound:.3f} nats")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def bfloat16_reference(smollm2_engines):
+    """bfloat16's greedy completions and the bound scaled from the spread between bfloat16 through the
+    compiled kernels and through plain PyTorch, measured here on this machine."""
+    if smollm2_engines["auto"].engine.core.ops.name != "cpu-kernels":
+        pytest.skip("the compiled CPU kernels are off here: one bfloat16 arithmetic, no spread to scale")
+    ref = greedy(smollm2_engines["auto"])
+    bound = PRECISION_RATIO * spread(ref, greedy(smollm2_engines["auto-pytorch"]))
+    print(f"\nbfloat16's two arithmetics differ by up to {bound / PRECISION_RATIO:.3f} nats: bound {bound:.3f}")
+    return ref, bound
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines, bfloat16_reference, name):
+    """Greedy tokens equal bfloat16's until a near-tie (``parting_problems``)."""
+    ref, bound = bfloat16_reference
+    assert not parting_problems(ref, greedy(smollm2_engines[name]), bound)
+
+
+def test_a_wrong_cache_read_fails_the_near_tie_check(smollm2_dir, bfloat16_reference, monkeypatch):
+    """The check above can fail: an fp8 cache read one slot off (an off-by-one, the subtlest wrong read; through
+    the PyTorch path, where the read is one function) parts from bfloat16 beyond a near-tie."""
+    ref, bound = bfloat16_reference
+    gather = kv_quant.gather
+    monkeypatch.setattr(kv_quant, "gather", lambda cache, scale, slots, dtype: gather(
+        cache, scale, torch.where(slots > 0, slots - 1, slots), dtype))
+    llm = make_llm(smollm2_dir, kv_cache_dtype="fp8", quantization="none", dtype="bfloat16", max_model_len=1024,
+                   kv_cache_memory=64 << 20, debug_checks=False, cpu_kernels=False)
+    try:
+        assert parting_problems(ref, greedy(llm), bound)
+    finally:
+        llm.engine.core.shutdown()

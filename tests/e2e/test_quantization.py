@@ -42,6 +42,8 @@ def perplexities(engines):
 
 
 def test_int8_perplexity_is_within_1_percent_of_bfloat16(perplexities):
+    """The quality bar, not a measured figure: 255 levels per output channel change each weight by at most
+    half a step (0.4% of the channel's largest); a wrong scale or layout costs tens of percent."""
     assert perplexities["int8"] <= 1.01 * perplexities["none"], perplexities
 
 
@@ -53,7 +55,8 @@ def test_int4_perplexity_is_within_10_percent_of_bfloat16(perplexities):
 
 def test_gguf_q4_1_perplexity_is_within_10_percent_of_bfloat16(perplexities):
     """The same weights, multiplied from their blocks (activations rounded to 8 bits per block of 32 by the
-    CPU kernels, as llama.cpp does)."""
+    CPU kernels, as llama.cpp does). The bar is llama.cpp's for 4-bit files (Q4 costs a few percent of
+    perplexity there); the weights are the same, only the activations' rounding differs."""
     assert perplexities["gguf"] <= 1.10 * perplexities["none"], perplexities
 
 
@@ -69,7 +72,9 @@ def test_int8_greedy_outputs_mostly_follow_bfloat16(engines):
     same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
             for x, y in zip(outs["none"], outs["int8"])]
     print("\nint8 tokens matching bfloat16 before the first difference (of 16):", same)
-    assert sum(same) >= len(PROMPTS) * 16 // 4, same  # loose: a near-tie may flip a token and what follows
+    # A near-tie may flip a token and all that follows, on any prompt; a quarter of the tokens in agreement
+    # overall is the floor a working int8 keeps (a wrong one parts at the first token of every prompt).
+    assert sum(same) >= len(PROMPTS) * 16 // 4, same
 
 
 def test_quantized_models_hold_fewer_weight_bytes(engines):

@@ -73,7 +73,9 @@ def test_silu_mul(dtype):
     out = cpu.cpu_silu_mul(gate_up)
     ref = TorchOps.silu_mul(gate_up)
     assert close(out, ref, dtype)
-    if dtype == torch.bfloat16:  # the vector exp may move a value by one bfloat16 step, rarely
+    if dtype == torch.bfloat16:
+        # The vector exp is within ~1 float32 ulp of PyTorch's: that flips a bfloat16 rounding only for values
+        # within an ulp of a halfway point (~2^-15 of them); 2% of values flipped would be a different exp.
         assert (out != ref).float().mean() < 0.02
 
 

@@ -101,6 +101,14 @@ def engines(path, monkeypatch, tmp_path) -> dict:
             "plain": make_llm(path, quantization="none", **common)}
 
 
+# The kernels round activations to int8 per 32 inputs (as llama.cpp); that rounding, not the machine, sets the
+# gap from the dequantized weights: the integer dot products are exact and their float order is the same on every
+# ISA (test_gguf_kernels checks scalar, AVX2 and a baseline build bit for bit), so the measured 0.03-0.24 nats
+# (scored logprobs average about -9 on this random model) hold on every CPU. A wrong block layout or scale moves
+# them by nats: 0.35 separates the two.
+ACTIVATION_ROUNDING_GAP = 0.35
+
+
 def scored(llm) -> np.ndarray:
     from paged_runtime.utils.perplexity import prompt_logprobs
     return np.array(prompt_logprobs(llm, np.random.default_rng(4).integers(3, 340, 64).tolist(), 64))
@@ -119,9 +127,7 @@ def test_each_served_type_computes_as_its_dequantized_weights(qtype, tmp_path, m
     assert greedy(llms["torch"]) == greedy(llms["plain"])
     gap = np.abs(scored(llms["kernels"]) - scored(llms["plain"])).max()
     print(f"{qtype}: largest prompt-logprob gap, kernels vs dequantized: {gap:.4f}")
-    # Measured 0.03-0.24 over the types (the scored logprobs average about -9 on this random model); a wrong
-    # block layout or scale moves them by nats.
-    assert gap <= 0.35, gap
+    assert gap <= ACTIVATION_ROUNDING_GAP, gap
 
 
 def test_a_fused_matrix_of_mixed_types_multiplies_per_run(tmp_path, monkeypatch):
@@ -131,7 +137,7 @@ def test_a_fused_matrix_of_mixed_types_multiplies_per_run(tmp_path, monkeypatch)
     qkv = llms["torch"].engine.core.runner.model.layers[0].self_attn.qkv_proj
     assert [(t.name, rows) for t, rows, _ in qkv.gguf_segments] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
     assert greedy(llms["torch"]) == greedy(llms["plain"])
-    assert np.abs(scored(llms["kernels"]) - scored(llms["plain"])).max() <= 0.35
+    assert np.abs(scored(llms["kernels"]) - scored(llms["plain"])).max() <= ACTIVATION_ROUNDING_GAP
 
 
 def test_an_unserved_type_is_refused_naming_it(tmp_path, monkeypatch):

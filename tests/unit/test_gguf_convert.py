@@ -74,12 +74,11 @@ def test_default_model_folder(smol_dir, tmp_path_factory):
 
 
 @needs_smol
-def test_second_call_is_fast(smol_dir, monkeypatch):
+def test_second_call_reuses_the_converted_folder(smol_dir, monkeypatch):
+    """A later start finds the folder and converts nothing (no test times it: converting raises here)."""
     monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(smol_dir.parent))
     monkeypatch.setattr(default_model, "convert_gguf", _fail_convert)
-    t0 = time.perf_counter()
     assert default_model.default_model_path() == smol_dir
-    assert time.perf_counter() - t0 < 1.0
 
 
 def _fail_convert(*args, **kwargs):

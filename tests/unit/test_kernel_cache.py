@@ -198,3 +198,23 @@ def test_a_cache_that_cannot_be_created_builds_into_a_temporary_folder(compile_a
     assert cpu.load(cache)
     [warning] = warnings_of(caplog)
     assert "temporary folder" in warning
+
+
+def test_the_isa_setting_names_its_build_and_refuses_what_the_cpu_lacks(monkeypatch):
+    """$PAGED_RUNTIME_CPU_ISA picks -march (each its own cached library); a name outside ISAS or one this CPU
+    cannot run is refused, naming the choices or the missing instruction sets."""
+    names = {}
+    for name in cpu.ISAS:
+        if cpu.cpu_has(name):
+            monkeypatch.setenv(cpu.ISA_ENV, name)
+            names[name] = cpu.library_path("/c").name
+    assert len(set(names.values())) == len(names) >= 2  # auto and scalar at least, on any x86-64
+    monkeypatch.setenv(cpu.ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match="must be one of auto, avx512, avx2, scalar; got 'avx1024'"):
+        cpu.isa()
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma f16c")
+    monkeypatch.setenv(cpu.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match="avx512: this CPU lacks avx512bw, avx512cd, avx512dq, avx512f, avx512vl"):
+        cpu.isa()
+    monkeypatch.setenv(cpu.ISA_ENV, "scalar")
+    assert cpu.isa() == "scalar" and not cpu.has_vector_paths()  # the plain loops: "auto" leaves them off

@@ -1,0 +1,50 @@
+"""The tests whose results depend on the compiled CPU kernels' instruction set, run again for each other ISA this
+CPU can run (``$PAGED_RUNTIME_CPU_ISA``), in a fresh process each: the library is process-wide.
+
+The rest of the suite runs the build for this CPU ("auto"). Machines of one kind differ (AVX2-only Zen 3,
+AVX-512 Zen 4), so a bound tuned on one build's rounding must hold on the others: an AVX-512 CPU runs the
+AVX2 build here as well, and every x86-64 CPU the scalar one (the plain loops a CPU without AVX2 runs).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paged_runtime.config import default_cache_dir
+from paged_runtime.kernels import cpu
+
+TESTS = Path(__file__).resolve().parents[1]
+# Each file's arithmetic goes through the C kernels' float sums, exp or their int8 activation rounding.
+SENSITIVE = {
+    "avx2": ["unit/test_cpu_kernels.py", "unit/test_kv_quant.py", "unit/test_gguf_kernels.py",
+             "unit/test_gguf_blocks_served.py", "unit/test_rotary.py", "unit/test_moe_layer.py",
+             "e2e/test_cpu_kernels_identity.py", "e2e/test_kv_cache_dtype.py", "e2e/test_quantization.py"],
+    # The plain loops: what a CPU without AVX2 would run (the kernels must be forced on there: they lose to
+    # PyTorch, so "auto" leaves them off).
+    "scalar": ["unit/test_cpu_kernels.py", "unit/test_kv_quant.py", "unit/test_gguf_kernels.py",
+               "e2e/test_cpu_kernels_identity.py"],
+}
+
+
+def other_isas() -> list[str]:
+    """The variants this CPU can run besides its own build (AVX2 on an AVX-512 CPU; scalar on x86-64)."""
+    native_avx512 = cpu.cpu_has("avx512")
+    return [name for name in SENSITIVE if cpu.cpu_has(name) and (name != "avx2" or native_avx512)]
+
+
+@pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
+@pytest.mark.parametrize("isa", sorted(SENSITIVE))
+def test_the_kernel_sensitive_tests_pass_with_each_isa_this_cpu_runs(isa, tmp_path):
+    if isa not in other_isas():
+        pytest.skip(f"{isa}: this CPU's own build is that one (no AVX-512 here)" if cpu.cpu_has(isa)
+                    else f"this CPU cannot run the {isa} build")
+    env = os.environ | {cpu.ISA_ENV: isa, "PAGED_RUNTIME_CACHE": os.environ.get("PAGED_RUNTIME_CACHE", ""),
+                        "PAGED_RUNTIME_CPU_KERNELS": "1" if isa == "scalar" else ""}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *(str(TESTS / f) for f in SENSITIVE[isa])],
+                         cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
