@@ -2,11 +2,12 @@
 
 KServe's flags (``--model_name``, ``--http_port``, ``--workers``, ...) come
 from ``kserve.model_server.parser`` as a parent, so their names, defaults and
-help are KServe's. The runtime's flags are the ones ``paged-runtime serve``
-takes, with the same names (``--max-model-len``, ``--served-model-name``,
-...). Abbreviations are off: with them ``--model`` would be taken as a prefix
-of ``--model_name`` or ``--model_dir`` whenever it is not spelled out exactly,
-and a typo would silently set some other flag.
+help are KServe's. The runtime's flags are generated from the same settings as
+``paged-runtime serve``'s (``paged_runtime/config.py``), with the same names
+(``--max-model-len``, ``--served-model-name``, ...). Abbreviations are off:
+with them ``--model`` would be taken as a prefix of ``--model_name`` or
+``--model_dir`` whenever it is not spelled out exactly, and a typo would
+silently set some other flag.
 
 Which model is served: ``--model PATH`` if given; else ``--model_dir`` (KServe
 passes ``/mnt/models``, where its storage initializer puts ``storageUri``) if
@@ -17,8 +18,9 @@ huggingfaceserver's arguments are accepted too, so an InferenceService
 written for it runs here unchanged: ``--model_id`` (a local folder: weights
 are never downloaded), ``--max_model_len`` / ``--max_length``,
 ``--tensor_parallel_size``, ``--dtype`` and ``--task text_generation`` mean
-what they mean there; the ones this runtime has no use for
-(``HF_UNUSED``: ``--backend``, ``--trust_remote_code``,
+what they mean there (the second and third are the settings' own
+huggingfaceserver spellings, in ``paged_runtime/config.py``); the ones this
+runtime has no use for (``HF_UNUSED``: ``--backend``, ``--trust_remote_code``,
 ``--disable_lower_case``, ``--return_probabilities``, ...) are logged in
 one warning that names them, never an error. A task other than text
 generation is an error: this runtime cannot serve it.
@@ -31,11 +33,14 @@ from pathlib import Path
 
 from kserve.model_server import parser as kserve_parser
 
-from paged_runtime.entrypoints.cli import add_runtime_arguments, positive_int
+from paged_runtime.config import EngineConfig, ServerConfig
+from paged_runtime.settings import add_arguments
 
 logger = logging.getLogger("kserve_adapter")
 
 # huggingfaceserver's flags that change nothing here: flag -> its default (a value other than it is warned about).
+# (Those with a meaning here, --max_model_len / --max_length, --tensor_parallel_size, --disable_log_requests, are
+# the settings' huggingfaceserver spellings: config.py.)
 HF_UNUSED = {"--model_revision": None, "--tokenizer_revision": None, "--trust_remote_code": False,
              "--tensor_input_names": None, "--backend": "auto", "--return_token_type_ids": False,
              "--return_probabilities": False, "--return_raw_logits": False, "--disable_lower_case": False,
@@ -50,14 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve a paged-runtime model as a KServe model server (v1, v2 and OpenAI routes).")
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="PATH",
-                       help="Hugging Face folder or .gguf file; wins over --model_dir")
     model.add_argument("--model_dir", default=None, metavar="DIR",
-                       help="where KServe put the model (/mnt/models); with no model in it, the embedded default")
+                       help="where KServe put the model (/mnt/models); with no model in it, the embedded default; "
+                            "--model wins over it")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0",
                         help="address to bind (KServe's own server always binds 0.0.0.0; 127.0.0.1 for local runs)")
-    add_runtime_arguments(parser, server)
+    add_arguments(parser, (ServerConfig, EngineConfig), "kserve", groups={"server": server})
     add_huggingfaceserver_arguments(parser)
     # One HTTP port per pod (the ClusterServingRuntime declares 8080 only); gRPC v2 is opt-in.
     parser.set_defaults(enable_grpc=False)
@@ -65,16 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_huggingfaceserver_arguments(parser: argparse.ArgumentParser) -> None:
-    """huggingfaceserver's spellings (see the module docstring); the ones with a runtime meaning share its dest."""
+    """huggingfaceserver's flags the settings do not spell (see the module docstring)."""
     hf = parser.add_argument_group("huggingfaceserver compatibility")
     hf.add_argument("--model_id", default=None, metavar="PATH", help="as --model (a local folder; never downloaded)")
-    hf.add_argument("--max_model_len", "--max_length", dest="max_model_len", type=positive_int, default=None,
-                    help="as --max-model-len")
-    hf.add_argument("--tensor_parallel_size", dest="tensor_parallel_size", type=positive_int, default=1,
-                    help="as --tensor-parallel-size")
     hf.add_argument("--task", default=None, help="only text_generation is served")
-    hf.add_argument("--disable_log_requests", dest="disable_log_requests", action="store_true",
-                    help="as --disable-log-requests (requests' contents are never logged)")
     for flag, default in HF_UNUSED.items():
         dest = flag.lstrip("-")
         if flag == "--max_log_len":
@@ -104,16 +102,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "model and KV cache; scale with replicas (minReplicas/maxReplicas) instead")
     if args.task is not None and args.task not in GENERATION_TASKS:
         parser.error(f"--task {args.task!r} is not served: this runtime does text generation only")
-    if args.model is None and args.model_id is not None:
+    model = getattr(args, "model", None)
+    if model is None and args.model_id is not None:
         if not Path(args.model_id).expanduser().exists():
             parser.error(f"--model_id {args.model_id!r} is not a local folder: weights are never downloaded "
                          "(give the InferenceService a storageUri, mounted at --model_dir)")
-        args.model = args.model_id
-    if args.model is not None and not Path(args.model).expanduser().exists():
-        parser.error(f"--model {args.model!r} does not exist (weights are never downloaded)")
+        model = args.model_id
+    if model is not None and not Path(model).expanduser().exists():
+        parser.error(f"--model {model!r} does not exist (weights are never downloaded)")
     warn_unused(args)
-    args.model = resolve_model(args.model, args.model_dir)
-    args.served_model_name = args.served_model_name or [args.model_name]
+    args.model = resolve_model(model, args.model_dir)
+    args.served_model_name = getattr(args, "served_model_name", None) or [args.model_name]
     return args
 
 

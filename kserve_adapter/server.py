@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -33,14 +32,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kserve_adapter.args import parse_args
 from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, is_openai_path, mount_openai_routes
+from paged_runtime.config import EngineConfig, ServerConfig
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
-from paged_runtime.entrypoints.cli import api_key, chat_options, engine_config, make_engine
+from paged_runtime.entrypoints.cli import engine_config, make_engine, server_config
+from paged_runtime.entrypoints.openai import app_options
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
 from paged_runtime.entrypoints.openai.errors import payload_too_large
 from paged_runtime.entrypoints.openai.serving import RequestLimits
-
-if TYPE_CHECKING:
-    from paged_runtime.config import EngineConfig
 
 logger = logging.getLogger("kserve_adapter")
 
@@ -158,13 +156,13 @@ def add_engine_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineDeadError, dead)
 
 
-def configure_logging(args: argparse.Namespace) -> None:
+def configure_logging(args: argparse.Namespace, server: ServerConfig) -> None:
     """The runtime's log lines (start-up, throughput) in KServe's format, unless KServe's logging is off."""
     if not args.configure_logging:
         return
     for name in ("paged_runtime", "kserve_adapter"):
         log = logging.getLogger(name)
-        log.setLevel(args.log_level.upper())
+        log.setLevel(server.log_level.upper())
         if not log.handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter(KSERVE_LOGGER_FORMAT, KSERVE_LOGGER_DATE_FORMAT))
@@ -172,9 +170,9 @@ def configure_logging(args: argparse.Namespace) -> None:
             log.propagate = False
 
 
-def build_server(args: argparse.Namespace) -> AdapterModelServer:
+def build_server(args: argparse.Namespace, server: ServerConfig) -> AdapterModelServer:
     return AdapterModelServer(
-        host=args.host, shutdown_timeout=args.shutdown_timeout, http_port=args.http_port, grpc_port=args.grpc_port,
+        host=args.host, shutdown_timeout=server.shutdown_timeout, http_port=args.http_port, grpc_port=args.grpc_port,
         workers=args.workers,
         max_threads=args.max_threads, max_asyncio_workers=args.max_asyncio_workers, enable_grpc=args.enable_grpc,
         enable_docs_url=args.enable_docs_url, enable_latency_logging=args.enable_latency_logging,
@@ -182,41 +180,34 @@ def build_server(args: argparse.Namespace) -> AdapterModelServer:
         timeout_keep_alive=args.timeout_keep_alive, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 
 
-def edge_options(args) -> dict:
-    """``build_app``'s HTTP-edge keywords from the shared runtime flags (as ``paged-runtime serve`` passes them)."""
-    return {"allowed_origins": args.allowed_origins, "max_request_body_bytes": args.max_request_body_bytes,
-            "max_prompts_per_request": args.max_prompts_per_request,
-            "metrics_require_api_key": args.metrics_require_api_key, "chat_template": args.chat_template,
-            "chat_options": chat_options(args)}
+def request_limits(server: ServerConfig) -> RequestLimits:
+    return RequestLimits(server.max_request_body_bytes, server.max_prompts_per_request)
 
 
-def request_limits(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(args.max_request_body_bytes, args.max_prompts_per_request)
-
-
-def build_model(args: argparse.Namespace, config: EngineConfig) -> PagedRuntimeModel:
+def build_model(args: argparse.Namespace, config: EngineConfig, server: ServerConfig) -> PagedRuntimeModel:
     """The model, with the configured request limits; its engine is built from ``config`` when it starts."""
-    return PagedRuntimeModel(args.model_name, args.served_model_name, lambda: make_engine(config, args),
-                             request_limits(args))
+    return PagedRuntimeModel(args.model_name, config.served_model_names, lambda: make_engine(config, server),
+                             request_limits(server))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = engine_config(args)
+        config, server = engine_config(args), server_config(args)
+        options = app_options(server)  # a chat option that cannot work fails before the model loads
     except ValueError as e:
         print(f"kserve_adapter: error: {e}", file=sys.stderr)
         return 2
-    server = build_server(args)  # configures KServe's logging first
-    configure_logging(args)
-    model = build_model(args, config)
+    model_server = build_server(args, server)  # configures KServe's logging first
+    configure_logging(args, server)
+    model = build_model(args, config, server)
     model.load()
-    mount_openai_routes(kserve_app, OpenAIRoutes(model, api_key(args), **edge_options(args)))
+    mount_openai_routes(kserve_app, OpenAIRoutes(model, **options))
     add_engine_error_handlers(kserve_app)
-    install_body_limit(kserve_app, args.max_request_body_bytes)
-    server.install_drain(kserve_app)  # outermost: a draining server refuses before reading any body
+    install_body_limit(kserve_app, server.max_request_body_bytes)
+    model_server.install_drain(kserve_app)  # outermost: a draining server refuses before reading any body
     try:
-        server.start([model])
+        model_server.start([model])
     except Exception:
         logger.exception("the model server stopped on an error")
         return 1

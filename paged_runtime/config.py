@@ -1,114 +1,126 @@
-"""Engine configuration: vLLM's argument names, validated once at start-up."""
+"""Every setting, declared once (``settings.setting``): the engine's (``EngineConfig``) and the HTTP front's
+(``ServerConfig``), with vLLM's names.
+
+``paged-runtime serve``'s flags, the KServe adapter's, Ray Serve's ``AppArgs`` and ``LLM(...)``'s keywords
+are all generated from these fields (``paged_runtime/settings.py``): a new setting is one field here. Values
+are checked once, when a config is built. This module imports no torch (the Ray ingress and ``--help`` read it).
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from paged_runtime.settings import (ExtendOrigins, check_settings, from_source, parse_bytes, parse_switch,
+                                    read_chat_template, setting)
 from paged_runtime.spec_decode.config import SpeculativeConfig
 
-
 CACHE_ENV = "PAGED_RUNTIME_CACHE"
-CPU_KERNELS_ENV = "PAGED_RUNTIME_CPU_KERNELS"
-ATTENTION_BACKEND_ENV = "PAGED_RUNTIME_ATTENTION_BACKEND"
-# vLLM has no caps; OpenAI allows 4 stop strings. 64 of up to 512 characters serve any real use and
-# keep the per-token match (one pattern over a tail window of the longest string) small.
-DEFAULT_MAX_STOP_STRINGS = 64
-DEFAULT_MAX_STOP_STRING_LENGTH = 512
-# --quantization: weights quantized at load (layers/quantization.NAMES, repeated here to keep this module light)
+DEFAULT_CACHE_DIR = "~/.cache/paged_runtime"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default (models/default_model.py serves it)
+DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+# --quantization: weights quantized at load, or a checkpoint's own format (layers/quantization maps each name)
 QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
-# --kv-cache-dtype: the paged cache's elements (kernels/kv_quant.CACHE_DTYPES, repeated here to keep this light)
+# --kv-cache-dtype: the paged cache's elements (kernels/kv_quant.CACHE_DTYPES maps each name)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
-
-
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    return None if value in (None, "") else value != "0"
+SCHEDULING_POLICIES = ("fcfs", "priority")  # core/scheduler.py orders by each
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # entrypoints/openai/tool_parsers.TOOL_PARSERS
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # entrypoints/openai/reasoning_parsers.REASONING_PARSERS
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# A 128k-token context is ~0.5 MB as text and ~1 MB as JSON token ids: 16 MiB holds a full-context prompt many
+# times over, yet bounds what one request makes the server buffer, parse and tokenize.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+# Each prompt of a completions list is its own engine request: one request may fill a default batch
+# (max_num_seqs 256), not the waiting queue by thousands.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 
 
 def default_cache_dir() -> Path:
     """``$PAGED_RUNTIME_CACHE`` or ``~/.cache/paged_runtime``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "paged_runtime"
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def served_model_names(served_model_name: str | list[str] | None, model: str | None) -> list[str]:
+    """The names clients use: the configured ones, else the model path as given, else the default's."""
+    if isinstance(served_model_name, str):
+        return [served_model_name]
+    return list(served_model_name) if served_model_name else [model or DEFAULT_MODEL_NAME]
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # a Hugging Face folder, a .gguf file, or None for the embedded default
-    tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = "auto"
-    # As vLLM's --quantization: "int8" (W8A16, per output channel), "int4" (W4A16, groups of 128, asymmetric)
-    # and "fp8" (W8A8 float8_e4m3fn) quantize at load; a quantized checkpoint's own format ("gguf": a .gguf's
-    # blocks; "gptq", "awq", "compressed-tensors": config.json's quantization_config) is used by itself (None);
-    # "none": plain weights (a .gguf dequantized at load).
-    quantization: str | None = None
-    # The paged KV cache's elements, as vLLM's --kv-cache-dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3"
-    # (float8_e4m3fn, per-tensor scales 1.0), "int8" (per token and head scales): ~2x the tokens per byte.
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: a share of free memory
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    device: str = "auto"
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
-    served_model_name: str | None = None
-    # Plain PyTorch everywhere: no CUDA graphs on the GPU, no compiled kernels on the CPU.
-    enforce_eager: bool = False
-    debug_checks: bool = False  # check block-accounting invariants after every step
-    # Schedule step N + 1 while step N runs (vLLM's --async-scheduling); None: on for CUDA without speculative
-    # decoding, off on the CPU (measured: benchmarks/async_scheduling.py).
-    async_scheduling: bool | None = None
-    # Caps on a request's stop strings (each is matched after every token): how many, and how long each.
-    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
-    max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH
-    # Most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs), as vLLM's --max-logprobs.
-    max_logprobs: int = 20
-    # Default sampling parameters: "auto" reads the model folder's generation_config.json (temperature, top_p,
-    # top_k, min_p, repetition_penalty, max_new_tokens), "vllm" ignores it, a folder path reads that folder's.
-    generation_config: str = "auto"
-    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} as in vLLM, or its JSON.
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
-    # Settings whose defaults come from the environment, read here once (not deep in the library):
-    # converted models and compiled kernels ($PAGED_RUNTIME_CACHE, else ~/.cache/paged_runtime);
-    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
-    # the compiled CPU kernels on the CPU: None picks them where the CPU has their vector paths (AVX-512),
-    # True / False force them on / off ($PAGED_RUNTIME_CPU_KERNELS=1 / 0);
-    cpu_kernels: bool | None = field(default_factory=lambda: _env_flag(CPU_KERNELS_ENV))
-    # torch | cpu | triton instead of the automatic choice ($PAGED_RUNTIME_ATTENTION_BACKEND).
-    attention_backend: str | None = field(default_factory=lambda: os.environ.get(ATTENTION_BACKEND_ENV) or None)
-    # Devices per model: tensor-parallel ranks x pipeline stages, one worker process each (vLLM's flags).
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # "mp" (local processes) or "ray" (Ray actors, any node); None: in-process for one device, Ray inside a
-    # Ray cluster (a Serve replica), else local processes.
-    distributed_executor_backend: str | None = None
+    """What the engine runs and how (``LLM(...)`` keywords; flags and Ray arguments of the same names)."""
+    model: str | None = setting(None, "Hugging Face folder or .gguf file; None: the embedded SmolLM2-135M-Instruct",
+                                metavar="MODEL")
+    tokenizer: str | None = setting(None, "tokenizer folder; None: the model's")
+    served_model_name: list[str] | None = setting(
+        None, "name(s) clients use for the model; the first one labels the metrics; None: the model path",
+        group="server")
+    dtype: str = setting("auto", "activations' dtype: auto takes the checkpoint's (bfloat16 for float16 on the CPU)",
+                         choices=DTYPES)
+    quantization: str | None = setting(
+        None, "quantize the weights at load: int8 (W8A16, per output channel), int4 (W4A16, groups of 128, "
+        "asymmetric) or fp8 (W8A8 float8_e4m3fn, per channel, activations per token, through torch._scaled_mm). "
+        "Quantized checkpoints are served in their own format, detected: a .gguf's blocks (gguf), or config.json's "
+        "gptq, awq, compressed-tensors (W8A16, W4A16, FP8); naming another format is an error; none dequantizes "
+        "a .gguf", choices=QUANTIZATIONS, aliases=("-q",))
+    kv_cache_dtype: str = setting(
+        "auto", "the paged KV cache's elements: auto (the model's dtype), fp8 / fp8_e4m3 (float8_e4m3fn, per-tensor "
+        "scales 1.0), int8 (per token and head scales): ~2x the tokens per byte", choices=KV_CACHE_DTYPES)
+    max_model_len: int | None = setting(None, "longest prompt + output in tokens; None: the model's own",
+                                        ge=2, hf_aliases=("--max_model_len", "--max_length"))
+    max_num_seqs: int = setting(256, "most requests in one step", ge=1)
+    max_num_batched_tokens: int | None = setting(None, "most tokens in one step; None: max(max_model_len, 2048) "
+                                                       "capped by the cache", ge=1)
+    block_size: int = setting(16, "tokens per KV-cache block", ge=1)
+    kv_cache_memory: int | None = setting(None, "bytes for the KV cache (e.g. 2GiB); None: a share of free memory",
+                                          gt=0, parse=parse_bytes, aliases=("--kv-cache-memory-bytes",))
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory for weights and KV cache", gt=0, le=1)
+    seed: int = setting(0, "the sampling seed of requests without their own")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of earlier requests' common prefixes")
+    scheduling_policy: str = setting("fcfs", "fcfs, or priority: lower value first, then arrival",
+                                     choices=SCHEDULING_POLICIES)
+    enforce_eager: bool = setting(False, "plain PyTorch: no CUDA graphs on a GPU, no compiled decode kernels on "
+                                         "the CPU")
+    debug_checks: bool = setting(False, "check the block-accounting invariants after every step (slow; tests)")
+    async_scheduling: bool | None = setting(
+        None, "schedule step N+1 while step N runs; None: on for CUDA without speculative decoding, off on the CPU "
+        "(measured: benchmarks/async_scheduling.py)")
+    max_stop_strings: int = setting(64, "most stop strings one request may send (each is matched after every "
+                                        "token; OpenAI allows 4)", ge=1, group="server")
+    max_stop_string_length: int = setting(512, "longest stop string a request may send, in characters", ge=1,
+                                          group="server")
+    max_logprobs: int = setting(20, "most logprobs / top_logprobs / prompt_logprobs a request may ask for", ge=0,
+                                group="server")
+    generation_config: str = setting(
+        "auto", "default sampling parameters: 'auto' from the model's generation_config.json, 'vllm' the "
+        "runtime's own, or a folder holding a generation_config.json", metavar="auto|vllm|FOLDER", group="server")
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = setting(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    cache_dir: str = setting(DEFAULT_CACHE_DIR, "converted models and compiled kernels", env=(CACHE_ENV,))
+    cpu_kernels: bool | None = setting(
+        None, "the compiled CPU kernels: None picks them where the CPU has their vector paths (AVX-512, or AVX2 + "
+        "FMA + F16C); True / False force them on / off", env=("PAGED_RUNTIME_CPU_KERNELS",), parse=parse_switch)
+    attention_backend: str | None = setting(None, "torch, cpu or triton instead of the automatic choice",
+                                            choices=("torch", "cpu", "triton"),
+                                            env=("PAGED_RUNTIME_ATTENTION_BACKEND",))
+    tensor_parallel_size: int = setting(1, "split each layer over this many devices (one worker process each)",
+                                        ge=1, aliases=("-tp",), hf_aliases=("--tensor_parallel_size",),
+                                        group="parallelism")
+    pipeline_parallel_size: int = setting(1, "split the layers into this many stages (one worker process per "
+                                             "device each)", ge=1, aliases=("-pp",), group="parallelism")
+    distributed_executor_backend: str | None = setting(
+        None, "how the workers run: local processes (mp, the default on one machine) or Ray actors (ray: any node; "
+        "the default inside a Ray cluster)", choices=("mp", "ray"), group="parallelism")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "max_stop_strings", "max_stop_string_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                             f"got {self.kv_cache_dtype!r}")
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        self.cache_dir = str(Path(self.cache_dir).expanduser())
+        check_settings(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_parallel()
         if self.async_scheduling and self.speculative_config is not None:
@@ -120,13 +132,11 @@ class EngineConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def served_model_names(self) -> list[str]:
+        return served_model_names(self.served_model_name, self.model)
+
     def _check_parallel(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.distributed_executor_backend not in (None, "mp", "ray"):
-            raise ValueError(f"distributed_executor_backend must be mp or ray, "
-                             f"got {self.distributed_executor_backend!r}")
         if self.world_size == 1:
             return
         # Only the sampling rank knows a step's tokens until the scheduler's next step tells the others.
@@ -139,33 +149,57 @@ class EngineConfig:
 
     @classmethod
     def from_attributes(cls, source: Any, **overrides: Any) -> EngineConfig:
-        """From any object whose attributes carry these names (parsed CLI flags, an adapter's args);
-        names it lacks keep their defaults, ``overrides`` win."""
-        values = {f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}
-        return cls(**(values | overrides))
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """From any object whose attributes carry these names (parsed flags, an adapter's args); names it lacks
+        keep their defaults, ``overrides`` win."""
+        return from_source(cls, source, **overrides)
 
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
 
+@dataclass
+class ServerConfig:
+    """The HTTP front's settings: the OpenAI routes' edge, auth, backpressure, shutdown and logging, shared by
+    ``paged-runtime serve`` and both adapters (``entrypoints/openai/api.build_app`` takes them)."""
+    host: str = setting("127.0.0.1", "address to bind", group="server", front_ends=frozenset({"serve"}))
+    port: int = setting(8000, "port to listen on", group="server", ge=0, le=65535, front_ends=frozenset({"serve"}))
+    api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and "
+                                        "/detokenize",
+                                  group="server", env=("PAGED_RUNTIME_API_KEY", "VLLM_API_KEY"), secret=True)
+    max_waiting_requests: int | None = setting(
+        None, "beyond this many queued requests, answer 503 with Retry-After; None: unbounded", ge=1, group="server")
+    shutdown_timeout: float = setting(
+        30.0, "on SIGTERM/SIGINT, seconds in-flight requests get to finish (new ones get 503); then the rest end "
+        "with an error", ge=0, group="server")
+    max_request_body_bytes: int = setting(DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413 (e.g. "
+                                          "16MiB)", ge=1, parse=parse_bytes, group="server")
+    max_prompts_per_request: int = setting(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts in one /v1/completions 'prompt' list (each is one "
+                                                "engine request)", ge=1, group="server")
+    allowed_origins: list[str] | None = setting(
+        None, "enable CORS for exactly these origins (e.g. https://app.example.com, or vLLM's JSON list "
+        "'[\"https://a\"]'); None: no CORS", metavar="ORIGIN", action=ExtendOrigins, group="server")
+    chat_template: str | None = setting(None, "a Jinja chat template (a file, or the template itself) instead of "
+                                              "the tokenizer's", parse=read_chat_template, metavar="FILE_OR_JINJA",
+                                        group="server")
+    metrics_require_api_key: bool = setting(False, "with --api-key, /metrics needs the key too (default: open for "
+                                                   "scrapers)", group="server")
+    enable_auto_tool_choice: bool = setting(False, 'tool_choice "auto": parse tool calls out of the output with '
+                                                   "--tool-call-parser", group="server")
+    tool_call_parser: str | None = setting(None, "the model's tool-call format (hermes: Hermes / Qwen <tool_call>; "
+                                                 "llama3_json; mistral)", choices=TOOL_CALL_PARSERS, group="server")
+    reasoning_parser: str | None = setting(None, "split <think>...</think> into reasoning_content; constraints "
+                                                 "apply after it", choices=REASONING_PARSERS, group="server")
+    disable_log_requests: bool = setting(False, "accepted for vLLM launch lines: requests' contents are never logged",
+                                         hf_aliases=("--disable_log_requests",), group="logging")
+    disable_log_stats: bool = setting(False, "no periodic throughput log line", group="logging")
+    log_stats_interval: float = setting(10.0, "seconds between stats log lines", gt=0, group="logging")
+    log_level: str = setting("info", "the runtime's log level", choices=LOG_LEVELS, group="logging")
+    uvicorn_log_level: str | None = setting(None, "uvicorn's log level (its access log is at info); None: "
+                                                  "--log-level", choices=("critical", "error", "warning", "info",
+                                                                          "debug", "trace"),
+                                            group="logging", front_ends=frozenset({"serve"}))
 
-def resolve_dtype(requested: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype, with float16 on CPU promoted to bfloat16 (fp16 is slow there)."""
-    if isinstance(requested, torch.dtype):
-        return requested
-    if requested == "auto":
-        dtype = _DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
-        if dtype == torch.float32 and device.type == "cuda":
-            dtype = torch.bfloat16
-        return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
-    if requested not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
-    dtype = _DTYPES[requested]
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("dtype float16 is not supported on CPU; use bfloat16 or float32")
-    return dtype
+    def __post_init__(self) -> None:
+        check_settings(self)  # (the chat options' combination: entrypoints/openai's ChatOptions, at start-up)
+
+    @classmethod
+    def from_attributes(cls, source: Any, **overrides: Any) -> ServerConfig:
+        return from_source(cls, source, **overrides)

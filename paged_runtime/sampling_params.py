@@ -12,7 +12,6 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20  # the default per-engine cap (vLLM's --max-logprobs); the engine's processor enforces its own
 LOGIT_BIAS_LIMIT = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 INVALID_VALUE = "invalid_value"  # OpenAI's error code for a value outside its field's domain

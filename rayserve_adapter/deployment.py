@@ -58,6 +58,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from paged_runtime.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from paged_runtime.entrypoints.openai.api import read_body  # torch-free, as the ingress needs
 from paged_runtime.entrypoints.openai.errors import OpenAIError
 from rayserve_adapter.args import AppArgs, parse_args
@@ -80,26 +81,20 @@ class EngineReplica:
     def __init__(self, args: AppArgs | dict[str, Any] | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
-        from paged_runtime.engine.async_engine import AsyncEngine
         from paged_runtime.engine.client import EngineClient
+        from paged_runtime.entrypoints.cli import make_engine
         from paged_runtime.entrypoints.openai.drain import Drain
-        from paged_runtime.metrics import LoggingStatLogger, PrometheusStatLogger
         self.args = parse_args(args)
+        logging.getLogger("paged_runtime").setLevel(self.args.log_level.upper())
         self.drain = Drain()  # gates the OpenAI app: 503 for new requests once graceful_shutdown() began
         self.registry = CollectorRegistry()  # this replica's /metrics shows this replica's engine only
-        loggers = [PrometheusStatLogger(self.args.served_model_names[0], self.registry), LoggingStatLogger()]
-        self.engine: EngineClient = AsyncEngine.from_config(
-            self.args.engine_config(), max_waiting_requests=self.args.max_waiting_requests, stat_loggers=loggers)
+        self.engine: EngineClient = make_engine(self.args.engine_config(), self.args.server_config(), self.registry)
 
     @cached_property
     def asgi_app(self):
         from paged_runtime.entrypoints.openai import build_app
-        a = self.args
-        return build_app(self.engine, a.served_model_names, api_key=a.api_key, registry=self.registry,
-                         model_root=self.engine.model_root, drain=self.drain, allowed_origins=a.allowed_origins,
-                         max_request_body_bytes=a.max_request_body_bytes,
-                         max_prompts_per_request=a.max_prompts_per_request,
-                         metrics_require_api_key=a.metrics_require_api_key, chat_options=a.chat_options())
+        return build_app(self.engine, self.args.served_model_names, registry=self.registry,
+                         model_root=self.engine.model_root, drain=self.drain, **self.args.app_options())
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app
@@ -169,7 +164,7 @@ class ServeEngineReplica(EngineReplica):
 class OpenAIIngress:
     """Multi-replica mode's HTTP front: forwards to the model deployment (see the module docstring)."""
 
-    def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = 16 * 2**20) -> None:
+    def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
         self.model = model.options(stream=True)
         self.max_request_body_bytes = max_request_body_bytes  # the replica's limit: never buffer more than it takes
 

@@ -43,9 +43,12 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from paged_runtime.config import DEFAULT_MAX_REQUEST_BODY_BYTES
+
 KV_CACHE_USAGE_STAT = "kv_cache_usage"  # the model replica's record_routing_stats key
 MAX_KEY_CHARS = 64 * 1024  # a prefix this long is plenty to tell prompts apart; bounds the hashing per request
-MAX_KEYED_BODY_BYTES = 16 * 2**20  # the replica's default body limit: a larger body gets its 413 unparsed here
+# The replica's default body limit: a larger body gets its 413 unparsed here.
+MAX_KEYED_BODY_BYTES = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 class PrefixIndex:

@@ -27,7 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_runtime.config import EngineConfig, resolve_dtype
+from paged_runtime.config import EngineConfig
+from paged_runtime.utils.devices import resolve_device, resolve_dtype
 from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
@@ -106,7 +107,7 @@ class SpecDecodeStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig) -> None:
         self.config = config
-        self.device = config.resolve_device()
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config, model_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))

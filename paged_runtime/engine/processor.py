@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paged_runtime.config import DEFAULT_MAX_STOP_STRING_LENGTH, DEFAULT_MAX_STOP_STRINGS
-from paged_runtime.sampling_params import INVALID_VALUE, MAX_LOGPROBS, ParameterError, SamplingParams
+from paged_runtime.sampling_params import INVALID_VALUE, ParameterError, SamplingParams
 from paged_runtime.structured_output.backend import GrammarBackend
 
 PromptType = str | dict | list[int]
@@ -57,10 +56,9 @@ class ProcessedPrompt:
 
 
 class Processor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int, *,
-                 max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
-                 max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH,
-                 max_logprobs: int = MAX_LOGPROBS, grammars: GrammarBackend | None = None) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_num_seqs: int, *, max_stop_strings: int,
+                 max_stop_string_length: int, max_logprobs: int, grammars: GrammarBackend | None = None) -> None:
+        """The caps (``max_*``) are the engine's settings (``EngineConfig``)."""
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len

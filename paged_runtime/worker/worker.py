@@ -28,6 +28,7 @@ from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.models.loader import GGUF_TYPES, load_model
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.worker.kv_budget import bytes_per_block, free_memory, num_kv_blocks
+from paged_runtime.utils.devices import resolve_device
 from paged_runtime.worker.model_runner import ModelRunner, allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def init_parallel(p: Placement, device: torch.device) -> tuple[TensorParallel, P
 
 
 def _device(config: EngineConfig, p: Placement) -> torch.device:
-    device = config.resolve_device()
+    device = resolve_device(config.device)
     if device.type == "cuda" and p.world_size > 1:
         device = torch.device("cuda", p.local_rank)
         torch.cuda.set_device(device)

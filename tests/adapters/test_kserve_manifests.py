@@ -19,6 +19,7 @@ import yaml
 import kserve.models
 from kserve.api_client import ApiClient as KServeGeneratedClient
 from kserve_adapter.args import build_parser
+from paged_runtime.entrypoints.cli import engine_config, server_config
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests" / "kserve"
 KINDS = {("serving.kserve.io/v1alpha1", "ClusterServingRuntime"): "V1alpha1ClusterServingRuntime",
@@ -162,11 +163,12 @@ def test_inference_service_args_parse_after_the_runtime_args(isvc):
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     name = isvc["metadata"]["name"]
     args = parse(runtime_container()["args"] + model.get("args", []), name)
-    assert args.model_name == name and args.model is None and args.max_model_len >= 2048
+    config, server = engine_config(args), server_config(args)
+    assert args.model_name == name and config.model is None and config.max_model_len >= 2048
     # SIGTERM drains for --shutdown-timeout; the pod is killed its grace period after SIGTERM (30 s unless
     # set): what is still running must be ended with an error and the process exit in the time left.
     grace = isvc["spec"]["predictor"].get("terminationGracePeriodSeconds", 30)
-    assert args.shutdown_timeout + 5 <= grace
+    assert server.shutdown_timeout + 5 <= grace
 
 
 def test_gpu_service_loads_a_hugging_face_model_on_one_gpu():

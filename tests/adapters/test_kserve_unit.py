@@ -17,6 +17,7 @@ from kserve_adapter.model import LOAD_GATE_ENV, PagedRuntimeModel
 from kserve_adapter.protocol import PromptRequest, v1_prepare, v2_fields, v2_texts
 from kserve_adapter.server import add_engine_error_handlers
 from paged_runtime.config import EngineConfig
+from paged_runtime.entrypoints.cli import engine_config, server_config
 from paged_runtime.engine.async_engine import EngineDeadError, EngineOverloadedError
 
 RUNTIME_FLAGS = ["--served-model-name", "--api-key", "--max-waiting-requests", "--dtype", "--device", "--max-model-len",
@@ -34,11 +35,13 @@ def test_parser_has_kserve_and_runtime_flags():
 def test_model_is_not_swallowed_by_model_name_and_defaults_follow_kserve(tmp_path):
     args = parse_args(["--model_name", "m", "--model", str(tmp_path), "--max-model-len", "256",
                        "--kv-cache-memory", "8MiB", "--no-enable-prefix-caching"])
-    assert (args.model_name, args.model, args.max_model_len, args.kv_cache_memory) == ("m", str(tmp_path), 256,
-                                                                                       8 * 2**20)
-    assert (args.enable_prefix_caching, args.served_model_name, args.http_port, args.host, args.enable_grpc) == (
+    config = engine_config(args)
+    assert (args.model_name, config.model, config.max_model_len, config.kv_cache_memory) == (
+        "m", str(tmp_path), 256, 8 * 2**20)
+    assert (config.enable_prefix_caching, config.served_model_name, args.http_port, args.host, args.enable_grpc) == (
         False, ["m"], 8080, "0.0.0.0", False)
-    assert parse_args(["--model_name", "m", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    assert engine_config(parse_args(["--model_name", "m", "--served-model-name", "a", "b"])).served_model_name == [
+        "a", "b"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -228,13 +231,14 @@ def test_v2_grpc_request_gives_texts_and_plain_parameters():
 
 
 def test_the_edge_flags_reach_the_openai_app():
-    from kserve_adapter.server import edge_options
+    from paged_runtime.entrypoints.openai import app_options
     args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3",
                        "--allowed-origins", "https://app.example.com", "--metrics-require-api-key",
                        "--chat-template", "{{ messages[0]['content'] }}", "--enable-auto-tool-choice",
                        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
     from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
-    assert edge_options(args) == {"allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
+    assert app_options(server_config(args)) == {
+        "api_key": None, "allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
                                   "max_prompts_per_request": 3, "metrics_require_api_key": True,
                                   "chat_template": "{{ messages[0]['content'] }}",
                                   "chat_options": ChatOptions(True, "hermes", "qwen3")}
@@ -340,7 +344,7 @@ def test_the_configured_limits_reach_the_models_serving_object():
     from kserve_adapter.server import build_model
     from paged_runtime.entrypoints.openai.serving import RequestLimits
     args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1KiB", "--max-prompts-per-request", "3"])
-    model = build_model(args, config=None)
+    model = build_model(args, engine_config(args), server_config(args))
     model.engine_factory = PredictEngine  # instead of loading weights
     model.load()
     asyncio.run(model.start_engine())
@@ -415,12 +419,13 @@ def test_huggingfaceserver_arguments_are_accepted_and_the_unused_ones_warned_abo
             "--model_revision", "main", "--disable_log_requests"]
     with caplog.at_level("WARNING", logger="kserve_adapter"):
         args = parse_args(argv)
-    assert (args.model, args.max_model_len, args.dtype, args.tensor_parallel_size, args.disable_log_requests) == (
-        str(tmp_path), 128, "float32", 1, True)
+    config = engine_config(args)
+    assert (config.model, config.max_model_len, config.dtype, config.tensor_parallel_size,
+            server_config(args).disable_log_requests) == (str(tmp_path), 128, "float32", 1, True)
     assert [r.getMessage() for r in caplog.records] == [
         "ignoring huggingfaceserver arguments this runtime does not use: --model_revision, --trust_remote_code, "
         "--backend, --return_probabilities, --disable_lower_case, --disable_special_tokens"]
-    assert parse_args(["--model_name", "m", "--max_length", "64"]).max_model_len == 64
+    assert engine_config(parse_args(["--model_name", "m", "--max_length", "64"])).max_model_len == 64
 
 
 def test_huggingfaceserver_defaults_warn_about_nothing(caplog):

@@ -75,7 +75,7 @@ def test_rayservice_shape():
 
 
 def test_multi_node_rayservice_gives_each_rank_a_gpu_and_each_stage_a_node():
-    from paged_runtime.entrypoints.cli import build_parser
+    from paged_runtime.entrypoints.cli import build_parser, engine_config
     from rayserve_adapter import AppArgs
     from rayserve_adapter.builder import model_options
     service = load("rayservice-tp2-pp2.yaml")
@@ -84,9 +84,9 @@ def test_multi_node_rayservice_gives_each_rank_a_gpu_and_each_stage_a_node():
     raw = application["args"]
     args = AppArgs.model_validate(raw)
     # The engine's names are the CLI's flags: the same engine as `paged-runtime serve` with these flags.
-    cli = build_parser().parse_args(["serve", "--tensor-parallel-size", str(raw["tensor_parallel_size"]),
-                                     "--pipeline-parallel-size", str(raw["pipeline_parallel_size"]),
-                                     "--distributed-executor-backend", "ray"])
+    cli = engine_config(build_parser().parse_args([
+        "serve", "--tensor-parallel-size", str(raw["tensor_parallel_size"]), "--pipeline-parallel-size",
+        str(raw["pipeline_parallel_size"]), "--distributed-executor-backend", "ray"]))
     config = args.engine_config()
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
         assert getattr(config, name) == getattr(cli, name), name

@@ -59,7 +59,7 @@ def test_args_map_onto_engine_config_by_name():
     for name in ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "gpu_memory_utilization", "seed", "enable_prefix_caching", "scheduling_policy"):
         assert getattr(config, name) == getattr(args, name), name
-    assert config.served_model_name == "x"
+    assert config.served_model_name == ["x"]
     spec = AppArgs.model_validate({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'})
     assert spec.engine_config().speculative_config.num_speculative_tokens == 3
 

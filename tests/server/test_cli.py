@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from paged_runtime.entrypoints.cli import build_parser, engine_config, parse_bytes
+from paged_runtime.entrypoints.cli import build_parser, engine_config, server_config
+from paged_runtime.settings import parse_bytes
 
 from .conftest import free_socket
 
@@ -25,9 +26,12 @@ def test_serve_flags_and_defaults():
     options = {s for action in serve._actions for s in action.option_strings}
     assert set(VLLM_FLAGS) <= options
     args = build_parser().parse_args(["serve"])
-    assert (args.model, args.host, args.port, args.enable_prefix_caching) == (None, "127.0.0.1", 8000, True)
+    config, server = engine_config(args), server_config(args)
+    assert (config.model, server.host, server.port, config.enable_prefix_caching) == (None, "127.0.0.1", 8000, True)
     args = build_parser().parse_args(["serve", "/m", "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB"])
-    assert (args.model, args.enable_prefix_caching, args.kv_cache_memory) == ("/m", False, 2 * 2**30)
+    config = engine_config(args)
+    assert (config.model, config.enable_prefix_caching, config.kv_cache_memory) == ("/m", False, 2 * 2**30)
+    assert engine_config(build_parser().parse_args(["serve", "--model", "/n"])).model == "/n"  # vLLM's flag too
     assert engine_config(build_parser().parse_args(["serve", "--enforce-eager"])).enforce_eager
     assert not engine_config(args).enforce_eager
 
@@ -69,14 +73,16 @@ def test_bad_flags_exit_2_without_loading():
 
 
 def test_the_parser_flags_offer_exactly_the_registered_parsers():
-    from paged_runtime.entrypoints.cli import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+    from paged_runtime import config
     from paged_runtime.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from paged_runtime.entrypoints.openai.tool_parsers import TOOL_PARSERS
-    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS) and set(REASONING_PARSER_NAMES) == set(REASONING_PARSERS)
+    assert set(config.TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
+    assert set(config.REASONING_PARSERS) == set(REASONING_PARSERS)
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
                                       "--reasoning-parser", "deepseek_r1"])
-    from paged_runtime.entrypoints.cli import chat_options
-    options = chat_options(args)
+    from paged_runtime.entrypoints.cli import server_config
+    from paged_runtime.entrypoints.openai import app_options
+    options = app_options(server_config(args))["chat_options"]
     assert (options.enable_auto_tool_choice, options.tool_call_parser, options.reasoning_parser) == (
         True, "mistral", "deepseek_r1")
 
@@ -118,15 +124,19 @@ def serve_args(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
+def server(*argv: str):
+    return server_config(serve_args(*argv))
+
+
 def test_vllm_spellings_parse_to_the_runtime_settings():
     args = serve_args("--kv-cache-memory-bytes", "1GiB", "--disable-log-requests", "--uvicorn-log-level", "debug",
                       "--max-logprobs", "5", "--generation-config", "vllm")
-    assert (args.kv_cache_memory, args.disable_log_requests, args.uvicorn_log_level) == (2**30, True, "debug")
-    config = engine_config(args)
+    config, settings = engine_config(args), server_config(args)
+    assert (config.kv_cache_memory, settings.disable_log_requests, settings.uvicorn_log_level) == (2**30, True, "debug")
     assert (config.kv_cache_memory, config.max_logprobs, config.generation_config) == (2**30, 5, "vllm")
-    defaults = serve_args()
-    assert (defaults.allowed_origins, defaults.uvicorn_log_level, defaults.chat_template, defaults.max_logprobs,
-            defaults.generation_config, defaults.disable_log_requests) == (None, None, None, 20, "auto", False)
+    config, settings = engine_config(serve_args()), server()
+    assert (settings.allowed_origins, settings.uvicorn_log_level, settings.chat_template, config.max_logprobs,
+            config.generation_config, settings.disable_log_requests) == (None, None, None, 20, "auto", False)
 
 
 @pytest.mark.parametrize("argv,origins", [
@@ -135,7 +145,7 @@ def test_vllm_spellings_parse_to_the_runtime_settings():
     (['["*"]'], ["*"]),
 ])
 def test_allowed_origins_plain_or_as_vllm_json(argv, origins):
-    assert serve_args("--allowed-origins", *argv).allowed_origins == origins
+    assert server("--allowed-origins", *argv).allowed_origins == origins
 
 
 def test_allowed_origins_bad_json_exits_2(capsys):
@@ -148,8 +158,8 @@ def test_allowed_origins_bad_json_exits_2(capsys):
 def test_chat_template_from_a_file_or_inline(tmp_path, capsys):
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}")
-    assert serve_args("--chat-template", str(path)).chat_template == "{{ messages[0]['content'] }}"
-    assert serve_args("--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}").chat_template == \
+    assert server("--chat-template", str(path)).chat_template == "{{ messages[0]['content'] }}"
+    assert server("--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}").chat_template == \
         "{% for m in messages %}{{ m.content }}{% endfor %}"
     with pytest.raises(SystemExit) as exit_info:
         serve_args("--chat-template", str(tmp_path / "missing.jinja"))
@@ -161,10 +171,9 @@ def test_chat_template_from_a_file_or_inline(tmp_path, capsys):
     ({}, None), ({"VLLM_API_KEY": "v"}, "v"), ({"PAGED_RUNTIME_API_KEY": "p", "VLLM_API_KEY": "v"}, "p"),
 ])
 def test_api_key_from_the_flag_then_the_projects_variable_then_vllms(env, key, monkeypatch):
-    from paged_runtime.entrypoints.cli import api_key
     monkeypatch.delenv("PAGED_RUNTIME_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert api_key(serve_args()) == key
-    assert api_key(serve_args("--api-key", "flag")) == "flag"
+    assert server().api_key == key
+    assert server("--api-key", "flag").api_key == "flag"

@@ -279,13 +279,13 @@ def test_metrics_open_unless_the_flag_puts_it_behind_the_key(app, engine):
 
 
 def test_cli_flags_for_the_edge():
-    from paged_runtime.entrypoints.cli import build_parser
-    args = build_parser().parse_args(["serve"])
+    from paged_runtime.entrypoints.cli import build_parser, server_config
+    args = server_config(build_parser().parse_args(["serve"]))
     assert (args.max_request_body_bytes, args.max_prompts_per_request, args.allowed_origins,
             args.metrics_require_api_key) == (16 * 2**20, 256, None, False)
-    args = build_parser().parse_args(["serve", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "8",
-                                      "--allowed-origins", ORIGIN, "http://localhost:3000",
-                                      "--metrics-require-api-key"])
+    args = server_config(build_parser().parse_args([
+        "serve", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "8", "--allowed-origins", ORIGIN,
+        "http://localhost:3000", "--metrics-require-api-key"]))
     assert (args.max_request_body_bytes, args.max_prompts_per_request, args.allowed_origins,
             args.metrics_require_api_key) == (2**20, 8, [ORIGIN, "http://localhost:3000"], True)
 

@@ -39,14 +39,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from paged_runtime.config import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from paged_runtime.engine.client import EngineClient
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
                                                     parse_json, payload_too_large, unauthorized, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                        TokenizeRequest)
-from paged_runtime.entrypoints.openai.serving import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                                     OpenAIServing, RequestLimits, StreamingResult)
+from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, StreamingResult
 from paged_runtime.entrypoints.openai.serving_chat import ChatOptions, ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
 
@@ -174,10 +174,15 @@ def api_key_checker(api_key: str | None) -> Callable[[Request], None]:
     return check
 
 
-def default_served_model_names(engine: EngineClient) -> list[str]:
-    """The config's served_model_name, else the model path as given, else the embedded default's name."""
-    from paged_runtime.models.default_model import DEFAULT_MODEL_NAME
-    return [engine.config.served_model_name or engine.config.model or DEFAULT_MODEL_NAME]
+def app_options(server: ServerConfig) -> dict[str, Any]:
+    """``build_app``'s keywords from the server settings (the same for ``serve`` and both adapters); a chat
+    option that cannot work (a tool-call parser missing) raises ValueError here, before any model loads."""
+    return {"api_key": server.api_key, "allowed_origins": server.allowed_origins,
+            "max_request_body_bytes": server.max_request_body_bytes,
+            "max_prompts_per_request": server.max_prompts_per_request,
+            "metrics_require_api_key": server.metrics_require_api_key, "chat_template": server.chat_template,
+            "chat_options": ChatOptions(server.enable_auto_tool_choice, server.tool_call_parser,
+                                        server.reasoning_parser)}
 
 
 def build_router(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
@@ -194,7 +199,7 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     ``max_request_body_bytes`` (413 beyond) and ``max_prompts_per_request`` (a completions ``prompt``
     list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key."""
     from paged_runtime import __version__
-    served_model_names = list(served_model_names or default_served_model_names(engine))
+    served_model_names = list(served_model_names or engine.config.served_model_names)
     limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
     completions = CompletionServing(engine, served_model_names, limits)
     chat = ChatServing(engine, served_model_names, limits, chat_template, chat_options)

@@ -28,25 +28,20 @@ from typing import TypeVar
 from paged_runtime.engine.client import EngineClient, RequestStream
 from paged_runtime.engine.processor import (ProcessedPrompt, PromptType, check_logprobs, check_prompt_chars,
                                             max_prompt_chars)
+from paged_runtime.config import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
 from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
-# A 128k-token context is ~0.5 MB as text and ~1 MB as JSON token ids: 16 MiB holds a full-context
-# prompt many times over, yet bounds what one request makes the server buffer, parse and tokenize.
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
-# Each prompt of a completions list is its own engine request: one request may fill a default batch
-# (max_num_seqs 256), not the waiting queue by thousands.
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """What one HTTP request may ask for; beyond it, a 4xx before any work (``n`` is capped by max_num_seqs)."""
-    max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # ServerConfig's defaults
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
 
     def __post_init__(self) -> None:

@@ -32,8 +32,8 @@ from paged_runtime.layers.quantization.int8 import Int8LinearMethod
 METHODS = {"int8": Int8LinearMethod, "int4": Int4LinearMethod, "fp8": Fp8LinearMethod}
 # Pre-quantized checkpoints: quant_method -> (its quantization_config -> the method; ValueError if unsupported)
 CHECKPOINT_FORMATS = {"gptq": gptq_method, "awq": awq_method, "compressed-tensors": compressed_tensors_method}
-# What ``EngineConfig.quantization`` accepts besides None (config.QUANTIZATIONS repeats it without imports);
-# "gguf" is a converted .gguf's blocks (models/gguf_convert.py writes them beside the dequantized weights).
+# The names these methods serve: exactly the setting's choices (config.QUANTIZATIONS, tested equal); "gguf" is a
+# converted .gguf's blocks (models/gguf_convert.py writes them beside the dequantized weights).
 NAMES = ("none", *METHODS, "gguf", *CHECKPOINT_FORMATS)
 
 
