@@ -24,8 +24,8 @@ What it measures
     never touched). Each side keeps its best round; the ratio is oriented so that
     > 1 means new is faster (base ms / new ms, new tok/s / base tok/s).
 
-Writes benchmarks/results/ab_compare.json and ab_compare.png (if matplotlib is
-installed).
+Writes benchmarks/results/ab_compare-<device>.json and ab_compare-<device>.png (if
+matplotlib is installed).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ab_compare.py            # full: e47d064 vs working tree
     .venv/bin/python benchmarks/ab_compare.py --new e47d064 --rounds 1 \\
@@ -45,28 +45,31 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import BUSY_LIMIT, ROOT, args_dict, result_path, write_results  # noqa: E402
+
 DEFAULT_BASE = "e47d064"
 TOLERANCE = 0.05  # issue 14: "within 5%"
-BUSY_LIMIT = 0.3  # as in throughput.py: other work above this many cores distorts a figure
 
-# Runs one benchmark script of one tree: prints the imported package, redirects the
-# script's RESULTS folder (cpu_decode.py has no --out), then calls its main(argv).
+# Runs one benchmark script file of one tree: prints the imported package, loads the script (which finds its
+# own tree's helpers: benchmarks/common.py, or in older trees its sibling modules), redirects its results
+# folder (cpu_decode.py has no --out; older scripts hold it in their own RESULTS, newer ones in
+# benchmarks.common's), then calls its main(argv).
 DRIVER = r"""
-import importlib, json, sys
+import json, runpy, sys
 from pathlib import Path
-tree, scripts, out_dir, name = sys.argv[1:5]
-argv = sys.argv[5:]
+tree, script, out_dir = sys.argv[1:4]
+argv = sys.argv[4:]
 import paged_runtime
 print("AB_IMPORT " + json.dumps({"paged_runtime": paged_runtime.__file__}), flush=True)
 if not Path(paged_runtime.__file__).resolve().is_relative_to(Path(tree).resolve()):
     sys.exit(f"paged_runtime imported from {paged_runtime.__file__}, not from {tree}")
-sys.path.insert(0, scripts)
-module = importlib.import_module(name)
-if hasattr(module, "RESULTS"):
-    module.RESULTS = Path(out_dir)
-sys.exit(module.main(argv))
+main = runpy.run_path(script, run_name="ab_compare_script")["main"]
+if "RESULTS" in main.__globals__:
+    main.__globals__["RESULTS"] = Path(out_dir)
+if "benchmarks.common" in sys.modules:
+    sys.modules["benchmarks.common"].RESULTS = Path(out_dir)
+sys.exit(main(argv))
 """
 
 
@@ -114,7 +117,7 @@ class Command:
 
 class CpuDecode(Command):
     def metrics(self, out_dir: Path, stdout: str) -> dict[str, float]:
-        files = sorted(out_dir.glob("cpu-decode-*.json"))
+        files = sorted(out_dir.glob("cpu[-_]decode-*.json"))  # older trees: cpu-decode-<dtype>.json
         if files:
             rows = json.loads(files[0].read_text())["rows"]
             pairs = [(r["batch"], r["kernels_ms"]) for r in rows]
@@ -167,7 +170,7 @@ def run_one(cmd: Command, tree: Tree, scripts: Path, tmp: Path, tag: str, python
     env.update(PYTHONPATH=str(tree.path), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     if threads:  # torch reads OMP_NUM_THREADS for its intra-op pool; same for both scripts and both sides
         env.update(OMP_NUM_THREADS=str(threads))
-    full = [python, "-c", DRIVER, str(tree.path), str(scripts), str(out_dir), cmd.script, *argv]
+    full = [python, "-c", DRIVER, str(tree.path), str(scripts / f"{cmd.script}.py"), str(out_dir), *argv]
     start = time.perf_counter()
     proc = subprocess.run(full, cwd=tree.path, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -202,13 +205,7 @@ def ratio(base: float, new: float, metric: str) -> float:
     return new / base if higher_is_better(metric) else base / new
 
 
-def write_png(path: Path, rows: list[dict]) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def draw(plt, rows: list[dict], title: str):
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5))
     names = [r["metric"] for r in rows][::-1]
     values = [r["new_over_base"] for r in rows][::-1]
@@ -218,11 +215,8 @@ def write_png(path: Path, rows: list[dict]) -> Path | None:
     ax.axvline(1 - TOLERANCE, color="gray", linestyle="--", linewidth=0.8)
     ax.set_xlim(min(0.8, min(values) - 0.02), max(1.2, max(values) + 0.02))
     ax.set_xlabel("new / base speed (> 1: new faster; dashed: -5%)")
-    ax.set_title(path.stem)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    ax.set_title(title)
+    return fig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -248,7 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="throughput.py --num-requests (its default: 128)")
     p.add_argument("--throughput-args", default="", help="more throughput.py arguments, one string")
     p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--out", type=Path, default=RESULTS / "ab_compare.json")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/ab_compare-<device>.json)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (worktrees removed, logs kept)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every run's stdout")
     return p.parse_args(argv)
@@ -256,6 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.out = args.out or result_path("ab_compare")
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="ab_compare-"))
     trees: list[Tree] = []
@@ -311,8 +306,7 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - started
         print(f"total {wall / 60:.1f} min")
 
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        params = args_dict(args)
         report = {"parameters": params,
                   "base": {"spec": args.base, "commit": base.commit, "desc": base.desc,
                            "paged_runtime_file": imports.get("base")},
@@ -323,9 +317,7 @@ def main(argv=None) -> int:
                   "tolerance": TOLERANCE, "rows": rows,
                   "all_within_tolerance": all(r["new_over_base"] >= 1 - TOLERANCE for r in rows),
                   "runs": runs, "wall_seconds": wall}
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        png = write_png(args.out.with_suffix(".png"), rows)
-        print(f"wrote {args.out}" + (f" and {png}" if png else " (no PNG: matplotlib not installed)"))
+        print(write_results(args.out, report, draw, rows, args.out.stem))
         return 0
     finally:
         for t in trees:

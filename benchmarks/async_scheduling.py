@@ -4,7 +4,7 @@ What it measures
     Two engines of the embedded default model (SmolLM2-135M-Instruct) in one process, identical but for
     ``async_scheduling``. Each round runs, on each engine in turn (the first one alternating):
 
-    * the mixed workload (``benchmarks/workload.py``, all requests submitted at once, greedy,
+    * the mixed workload (``benchmarks/common.py``, all requests submitted at once, greedy,
       ``ignore_eos``): output tokens per second;
     * batch 1: one request decoding ``--decode-tokens`` tokens: milliseconds per output token.
 
@@ -25,27 +25,14 @@ Writes benchmarks/results/async_scheduling-<device>.json (and a PNG if matplotli
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
-import torch
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (BUSY_LIMIT, add_round_args, machine_info, others_busy_cores,  # noqa: E402
+                               result_path, round_workload, timed_generate, write_results)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import BUSY_LIMIT, machine_info, others_busy_cores  # noqa: E402
-from workload import make_workload  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 MODES = (False, True)
-
-
-def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
-    from paged_runtime import SamplingParams
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
 def measure(llm, workload, decode_prompt: list[int], decode_tokens: int) -> dict:
@@ -56,49 +43,31 @@ def measure(llm, workload, decode_prompt: list[int], decode_tokens: int) -> dict
             "outputs": tokens + decode_out, "others_busy_cores": busy}
 
 
-def plot(summary: dict, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def draw(plt, summary: dict, title: str):
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, key, label in zip(axes, ("tok_s", "decode_ms_per_token"),
                               ("mixed workload, output tokens / s", "batch 1, ms per token")):
         ax.bar(["sync", "async"], [summary[f"sync_{key}"], summary[f"async_{key}"]], color=["#888", "#36c"])
         ax.set_title(label, fontsize=9)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--output-mean", type=float, default=120.0)
-    p.add_argument("--prompt-mean", type=float, default=160.0)
-    p.add_argument("--sigma", type=float, default=0.8)
-    p.add_argument("--decode-tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=3)
+    add_round_args(p, num_requests=32, output_mean=120.0, prompt_mean=160.0, decode_tokens=96, rounds=3)
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from paged_runtime import LLM
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or RESULTS / f"async_scheduling-{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or result_path("async_scheduling")
     engines = {mode: LLM(model=None, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
                          max_num_seqs=args.num_requests, kv_cache_memory=int(args.kv_cache_gib * 2**30),
                          enable_prefix_caching=False, async_scheduling=mode) for mode in MODES}
     vocab = engines[False].engine.vocab_size
-    workload = make_workload(0, args.num_requests, args.prompt_mean, args.output_mean, args.sigma,
-                             args.max_model_len, vocab)
-    decode_prompt = make_workload(1, 1, 32, 1, 0.1, args.max_model_len, vocab)[0].prompt
+    workload, decode_prompt = round_workload(args, vocab)
     machine = machine_info() | {"dtype": args.dtype, "ops": engines[False].engine.core.ops.name}
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cores, torch {machine['torch']}, "
           f"{args.dtype}, ops {machine['ops']}; {args.num_requests} requests", flush=True)
@@ -128,12 +97,8 @@ def main(argv=None) -> int:
             del r["outputs"]
     result = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
               "outputs_identical": identical, "rounds": {("async" if m else "sync"): rs for m, rs in rounds.items()}}
-    out.write_text(json.dumps(result, indent=2))
-    png = out.with_suffix(".png")
-    if plot(summary, png, f"asynchronous scheduling, {machine['cpu_model']} ({args.dtype})"):
-        print(f"wrote {out} and {png}")
-    else:
-        print(f"wrote {out}")
+    title = f"asynchronous scheduling, {machine['cpu_model']} ({args.dtype})"
+    print(write_results(out, result, draw, summary, title))
     return 0 if identical else 1
 
 

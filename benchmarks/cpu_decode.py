@@ -14,14 +14,13 @@ What it measures
     here as a 1 GiB float32 sum on all threads. The peer is transformers' own
     ``generate`` at batch 1 (ms per new token beyond the first, greedy, KV cache on).
 
-Writes results/cpu-decode-<dtype>.json.
+Writes results/cpu_decode-cpu.json (cpu_decode-float32-cpu.json with ``--dtype float32``).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/cpu_decode.py
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -29,24 +28,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine_info, others_busy_cores  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import elapsed, machine_info, others_busy_cores, result_path, write_results  # noqa: E402
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second a full-thread float32 sum reads from a buffer far larger than the caches."""
     buffer = torch.ones(int(gib * 2**30) // 4)
     buffer.sum()
-    best = min(_timed(buffer.sum) for _ in range(repeats))
+    best = min(elapsed(buffer.sum) for _ in range(repeats))
     return buffer.numel() * 4 / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def weight_bytes(model) -> int:
@@ -84,8 +75,8 @@ def hf_ms_per_token(dtype: torch.dtype, context: int, new_tokens: int = 32) -> f
                                         temperature=None)
     with torch.inference_mode():
         generate(2)
-        one = min(_timed(lambda: generate(1)) for _ in range(2))
-        many = min(_timed(lambda: generate(new_tokens + 1)) for _ in range(2))
+        one = min(elapsed(lambda: generate(1)) for _ in range(2))
+        many = min(elapsed(lambda: generate(new_tokens + 1)) for _ in range(2))
     return (many - one) / new_tokens * 1000
 
 
@@ -130,12 +121,10 @@ def main(argv=None) -> int:
     if hf_ms is not None:
         print(f"transformers generate, batch 1: {hf_ms:.1f} ms per token "
               f"({hf_ms / best['kernels'].get(1, float('nan')):.1f}x the kernels' step)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"cpu-decode-{args.dtype}.json"
-    out.write_text(json.dumps({"parameters": vars(args), "machine": machine_info(), "others_busy_cores": busy,
-                               "rows": rows, "weight_bytes": weight_bytes(model), "read_bandwidth": bandwidth,
-                               "floor_ms": floor_ms, "transformers_ms_per_token": hf_ms}, indent=2) + "\n")
-    print(f"wrote {out}")
+    out = result_path("cpu_decode", None if args.dtype == "bfloat16" else args.dtype, device="cpu")
+    print(write_results(out, {"parameters": vars(args), "machine": machine_info(), "others_busy_cores": busy,
+                              "rows": rows, "weight_bytes": weight_bytes(model), "read_bandwidth": bandwidth,
+                              "floor_ms": floor_ms, "transformers_ms_per_token": hf_ms}))
     return 0
 
 

@@ -13,14 +13,13 @@ What it measures
     bfloat16 (the large-batch path dequantizes, then runs one GEMM), as ms and GB/s of weight bytes read.
 
 How to run
-    PYTHONPATH=. .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine
+    .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine
 
-Writes benchmarks/results/gguf-kernels-cpu.json.
+Writes benchmarks/results/gguf_kernels-cpu.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,14 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine_info, others_busy_cores  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import machine_info, others_busy_cores, result_path, write_json  # noqa: E402
 
 from paged_runtime.config import default_cache_dir  # noqa: E402
 from paged_runtime.kernels import cpu  # noqa: E402
 from paged_runtime.kernels.gguf_types import GGUF_TYPES, row_bytes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 TYPES = ("Q4_1", "Q4_1 x8", "Q8_0", "Q8_0 x8", "Q4_K", "Q6_K")
 STREAM_BYTES = 64 << 20  # copies of a weight cycled through: more than the last-level cache
@@ -75,7 +73,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf-kernels-cpu.json"))
+    parser.add_argument("--out", default=str(result_path("gguf_kernels", device="cpu")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu.load(default_cache_dir()):
@@ -111,8 +109,7 @@ def main() -> None:
     result = {"machine": machine_info(), "threads": args.threads, "others_busy_cores": (busy_before, others_busy_cores()),
               "load_average": os.getloadavg(), "gguf_vector_paths": cpu.gguf_has_vector_paths(), "rows": rows,
               "dequantize_bf16": dequant}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     methods = ("bf16", *TYPES)
     print(f"{'shape':9}{'N x K':>12}{'M':>4}  " + "".join(f"{m + ' ms  GB/s':>17}" for m in methods))
     for shape, n, k, m, cells in table:

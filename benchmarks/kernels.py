@@ -20,7 +20,7 @@ What it measures (one CUDA device, named in every figure)
         - batch-1 decode: ms per step after a 128-token prompt, against the floor
           weight bytes / copy bandwidth, with CUDA graphs (the default) and without
           (``enforce_eager``);
-        - a mixed workload (benchmarks/workload.py: ShareGPT-like lognormal prompt and
+        - a mixed workload (benchmarks/common.py: ShareGPT-like lognormal prompt and
           output lengths, greedy, ignore_eos): the runtime with every request submitted
           at once, and transformers ``generate`` with static batches of
           --hf-batch-size on a prefix of the same requests; output tokens / s.
@@ -36,14 +36,12 @@ How to run (on a machine with a CUDA GPU)
     .venv/bin/python benchmarks/kernels.py --skip-e2e               # kernels only, about a minute
     .venv/bin/python benchmarks/kernels.py --models 1b --num-requests 64
 
-Prints tables, writes benchmarks/results/kernels-<card>.json.
+Prints tables, writes benchmarks/results/kernels-<card>.json (card: h200, h100, ...).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import re
 import shutil
 import sys
 import time
@@ -52,9 +50,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import RESULTS, machine_info  # noqa: E402
-from workload import FIRST_ORDINARY_ID, make_workload  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (FIRST_ORDINARY_ID, copy_tokenizer, machine_info, make_workload,  # noqa: E402
+                               result_path, write_results)
 
 TARGETS = {"decode_attention_copy_share": 0.70, "batch1_step_vs_floor": 1.3, "vs_transformers": 10.0}
 LONG_CONTEXT = 4096  # contexts from here on are held to the bandwidth target
@@ -174,7 +172,6 @@ def _sdpa_ms(q: torch.Tensor, batch: int, context: int, scale: float) -> float:
 def random_llama(key: str, cache_dir: Path) -> Path:
     """A Llama folder with random bf16 weights (built on the GPU, saved once) and SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from paged_runtime.models.default_model import default_model_path
 
     folder = cache_dir / f"llama-{key}-random"
     if (folder / "config.json").exists():
@@ -192,9 +189,7 @@ def random_llama(key: str, cache_dir: Path) -> Path:
     tmp = folder.with_suffix(".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (default_model_path() / name).exists():
-            shutil.copy(default_model_path() / name, tmp / name)
+    copy_tokenizer(tmp)
     tmp.rename(folder)
     del model
     _free_gpu()
@@ -364,13 +359,10 @@ def main(argv=None) -> int:
     checks = verdicts(rows, e2e)
     for name, c in checks.items():
         print(f"{name:<42}{c['value']:>8.2f}   target {c['target']:<8} {'met' if c['met'] else 'NOT met'}")
-    slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
-    path = args.out or RESULTS / f"kernels-{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = args.out or result_path("kernels")
     record = {"card": card, "machine": machine_info(), "parameters": {k: str(v) for k, v in vars(args).items()},
               "copy_bandwidth_bytes_s": copy_bw, "decode_attention": rows, "end_to_end": e2e, "verdicts": checks}
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+    print(write_results(path, record, indent=1))
     return 0
 
 

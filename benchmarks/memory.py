@@ -2,7 +2,7 @@
 
 What it measures (one process, bfloat16, the runtime only; no timings but TTFT)
     (a) Paging. A fixed KV budget and a ShareGPT-like workload (the same length
-        generator as throughput.py). After every step: token states held / slots
+        generator as throughput.py, benchmarks/common.py). After every step: token states held / slots
         in allocated blocks (utilization) and the number of running requests.
         Next to it, what a contiguous engine would fit in the same budget when it
         reserves max_model_len per request, or prompt + max_tokens (an oracle that
@@ -22,30 +22,28 @@ What it measures (one process, bfloat16, the runtime only; no timings but TTFT)
         --decode-batch requests at --decode-context tokens of context, the three
         engines loaded side by side and timed in turns (so a busy machine slows
         all three alike); median per step, ratio to bf16 (target <= 1.10).
-        Writes benchmarks/results/kv-cache-dtype-<device>.json (+ PNG).
+        Writes benchmarks/results/memory-kv_cache_dtype-<device>.json (+ PNG).
 
 How to run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/memory.py [--num-requests 48 --output-mean 128]
         [--kv-cache-dtype fp8]   (a-c with an 8-bit cache)
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/memory.py --compare-kv-cache-dtypes
 
-Prints tables, writes benchmarks/results/memory.json and memory.png (if
-matplotlib is installed).
+Prints tables, writes benchmarks/results/memory-<device>.json and memory-<device>.png (if
+matplotlib is installed); with an 8-bit --kv-cache-dtype, memory-<kv-cache-dtype>-<device>.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import RESULTS, machine_info  # noqa: E402
-from workload import FIRST_ORDINARY_ID, make_workload  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (FIRST_ORDINARY_ID, elapsed, machine_info, make_workload,  # noqa: E402
+                               result_path, write_results)
 
 from paged_runtime import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from paged_runtime.config import KV_CACHE_DTYPES  # noqa: E402
@@ -165,7 +163,7 @@ def prefix_ttft(seed: int) -> dict:
     prefix = rng.integers(FIRST_ORDINARY_ID, VOCAB, 1000).tolist()
     llm = make_llm(2048, 512)
     once = SamplingParams(max_tokens=1, temperature=0)
-    ttft = lambda prompt: _timed(lambda: llm.generate([{"prompt_token_ids": prompt}], once, use_tqdm=False))
+    ttft = lambda prompt: elapsed(lambda: llm.generate([{"prompt_token_ids": prompt}], once, use_tqdm=False))
     ttft(prefix[:50])  # warm up
     misses, hits = [], []
     for i in range(5):
@@ -174,12 +172,6 @@ def prefix_ttft(seed: int) -> dict:
         hits.append(ttft(prefix + [200 + i, 9]))
     miss, hit = statistics.median(misses), statistics.median(hits)
     return {"prefix_tokens": 1000, "miss_s": miss, "hit_s": hit, "speedup": miss / hit, "target": 10.0}
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 # ---- (d) 8-bit KV cache ----------------------------------------------------------
@@ -199,7 +191,7 @@ def kv_cache_dtypes(args) -> dict:
     times = {name: [] for name in KV_COMPARED}
     for _ in range(args.turns):
         for name, llm in engines.items():  # in turns: a busy machine slows every engine alike
-            times[name] += [_timed(llm.engine.step) for _ in range(args.decode_steps)]
+            times[name] += [elapsed(llm.engine.step) for _ in range(args.decode_steps)]
     rows = {}
     for name, llm in engines.items():
         core = llm.engine.core
@@ -238,13 +230,7 @@ def report_kv(result: dict) -> None:
               f" {row['decode_step_s'] * 1000:>9.1f} {row['step_vs_bf16']:>7.2f}x")
 
 
-def write_kv_png(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def draw_kv(plt, result: dict):
     rows = result["caches"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
     left.bar(list(rows), [r["tokens_vs_bf16"] for r in rows.values()], color="tab:blue")
@@ -254,9 +240,7 @@ def write_kv_png(result: dict, path: Path) -> Path | None:
     right.axhline(1.10, color="gray", linestyle="--", linewidth=1)
     right.set_title("decode step time vs bf16")
     fig.suptitle("paged-runtime: 8-bit KV cache (SmolLM2-135M, bf16 model)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return fig
 
 
 # ---- report ----------------------------------------------------------------------
@@ -276,22 +260,14 @@ def report(result: dict) -> None:
           f"hit {c['hit_s'] * 1000:.1f} ms -> {c['speedup']:.1f}x (target >= {c['target']:.0f}x)")
 
 
-def write_png(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def draw(plt, result: dict):
     names = list(result["sharing"])
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(names, [100 * result["sharing"][n]["saved_mean"] for n in names], color="tab:blue")
     ax.set_ylabel("KV memory saved by sharing (%)")
     ax.set_title("paged-runtime: block sharing (SmolLM2-135M, bf16)")
     ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return fig
 
 
 def main(argv=None) -> int:
@@ -301,21 +277,13 @@ def main(argv=None) -> int:
     if args.compare_kv_cache_dtypes:
         result |= kv_cache_dtypes(args)
         report_kv(result)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        device = "cuda" if result["attention_backend"] == "triton" else "cpu"
-        out = RESULTS / f"kv-cache-dtype-{device}.json"
-        out.write_text(json.dumps(result, indent=2))
-        png = write_kv_png(result, RESULTS / f"kv-cache-dtype-{device}.png")
-        print(f"\nwrote {out}" + (f" and {png}" if png else ""))
+        print("\n" + write_results(result_path("memory", "kv_cache_dtype"), result, draw_kv, result))
         return 0
     KV_DTYPE = args.kv_cache_dtype
     result |= {"paging": paging(args), "sharing": sharing(args.seed), "prefix": prefix_ttft(args.seed)}
     report(result)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "memory.json"
-    out.write_text(json.dumps(result, indent=2))
-    png = write_png(result, RESULTS / "memory.png")
-    print(f"\nwrote {out}" + (f" and {png}" if png else ""))
+    out = result_path("memory", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+    print("\n" + write_results(out, result, draw, result))
     return 0
 
 

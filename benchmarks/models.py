@@ -37,12 +37,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_decode import decode_ms  # noqa: E402
-from throughput import machine_info, others_busy_cores  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (copy_tokenizer, machine_info, others_busy_cores, result_path,  # noqa: E402
+                               write_json, write_png)
+from benchmarks.cpu_decode import decode_ms  # noqa: E402
 
 # family -> (transformers config class, the published model it takes its shape from, config kwargs).
 # "num_hidden_layers" is the published count; --max-layers may build fewer.
@@ -75,7 +73,7 @@ FAMILIES = {
 DEFAULT_MAX_LAYERS = {"phi3": 8, "olmoe": 4, "qwen3_moe": 2, "mixtral": 1}
 
 
-def build_folder(family: str, layers: int | None, dtype: torch.dtype, root: Path, tokenizer_dir: Path):
+def build_folder(family: str, layers: int | None, dtype: torch.dtype, root: Path):
     """A random model of the family's shape saved in ``root``; returns (folder, transformers model, layers)."""
     import transformers
     class_name, _, kwargs = FAMILIES[family]
@@ -88,9 +86,7 @@ def build_folder(family: str, layers: int | None, dtype: torch.dtype, root: Path
     model.save_pretrained(folder, safe_serialization=True)
     if torch.cuda.is_available():
         model.to("cuda")
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, folder / name)
+    copy_tokenizer(folder)
     return folder, model, kwargs["num_hidden_layers"]
 
 
@@ -116,12 +112,11 @@ def hf_decode_ms(model, batch: int, context: int, steps: int, seed: int, max_tok
         return (time.perf_counter() - start) / steps * 1000
 
 
-def measure_family(family: str, args, root: Path, tokenizer_dir: Path) -> dict:
+def measure_family(family: str, args, root: Path) -> dict:
     from paged_runtime import LLM
     from paged_runtime.models.config import SUPPORTED_ARCHITECTURES
     dtype = getattr(torch, args.dtype)
-    folder, hf_model, layers = build_folder(family, args.max_layers or DEFAULT_MAX_LAYERS.get(family), dtype, root,
-                                            tokenizer_dir)
+    folder, hf_model, layers = build_folder(family, args.max_layers or DEFAULT_MAX_LAYERS.get(family), dtype, root)
     architecture = hf_model.config.architectures[0]
     row = {"family": family, "shape_of": FAMILIES[family][1], "architecture": architecture, "layers": layers,
            "published_layers": FAMILIES[family][2]["num_hidden_layers"],
@@ -163,13 +158,7 @@ def print_table(rows: list[dict], args) -> None:
             print(f"{head} {b['batch']:5d} {b['ours_ms']:8.1f} {b['transformers_ms']:8.1f} {b['speedup']:7.2f}x")
 
 
-def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def draw(plt, rows: list[dict]):
     measured = [r for r in rows if "batches" in r]
     batches = sorted({b["batch"] for r in measured for b in r["batches"]})
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -182,9 +171,7 @@ def plot(rows: list[dict], path: Path) -> bool:
                   [f"{r['family']}\n({r['shape_of']})" for r in measured], fontsize=8)
     ax.set_ylabel("decode step speedup over transformers")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    return fig
 
 
 def main(argv=None) -> int:
@@ -198,28 +185,25 @@ def main(argv=None) -> int:
     p.add_argument("--max-layers", type=int, default=None, help="build at most this many layers of every family")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     args = p.parse_args(argv)
-    from paged_runtime.models.default_model import default_model_path
     busy = others_busy_cores()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"models-{device}.json"
+    out = result_path("models")
     # Families not measured in this run keep their rows from the last one (each row is one run's ratio).
     kept = json.loads(out.read_text())["rows"] if out.exists() else []
     rows = []
     with tempfile.TemporaryDirectory(prefix="models-bench-") as root:
         for family in args.families:  # each family's row is printed and saved as soon as it is measured
-            rows.append(measure_family(family, args, Path(root), default_model_path()))
+            rows.append(measure_family(family, args, Path(root)))
             print_table(rows[-1:], args)
             measured = {r["family"] for r in rows}
             every = [r for r in kept if r["family"] not in measured] + rows
             every.sort(key=lambda r: list(FAMILIES).index(r["family"]))
-            out.write_text(json.dumps({"parameters": vars(args), "machine": machine_info(),
-                                       "others_busy_cores": busy, "rows": every}, indent=2) + "\n")
+            write_json(out, {"parameters": vars(args), "machine": machine_info(), "others_busy_cores": busy,
+                             "rows": every})
     every = json.loads(out.read_text())["rows"]
     print_table(every, args)
     print(f"wrote {out}")
-    if plot(every, out.with_suffix(".png")):
-        print(f"wrote {out.with_suffix('.png')}")
+    png = write_png(out.with_suffix(".png"), draw, every)
+    print(f"wrote {png}" if png else "no PNG: matplotlib not installed")
     return 0
 
 

@@ -12,13 +12,13 @@ What it measures
     * ``pp2``      two pipeline stages (15 layers each);
     * ``tp2xpp2``  both: four worker processes.
 
-    Each round runs, on each engine, the mixed workload (``benchmarks/workload.py``, all requests submitted at
+    Each round runs, on each engine, the mixed workload (``benchmarks/common.py``, all requests submitted at
     once, greedy, ``ignore_eos``: output tokens per second, and the mean time of one engine step, the
     executor's ``execute``) and batch 1 (one request decoding ``--decode-tokens`` tokens: milliseconds per
     output token). Each layout keeps its best round; ratios are against ``tp1`` of the same run (> 1: faster).
 
 Communication per step
-    Computed from the model's shape for every step the run took (``benchmarks/comm_volume.py``: two
+    Computed from the model's shape for every step the run took (``paged_runtime/utils/comm_volume.py``: two
     all-reduces of tokens x hidden per decoder layer and one for the embedding, the LM head's all-gather of
     sampled rows x vocabulary shard, the pipeline's send of 2 x tokens x hidden), summed over all ranks, in
     payload bytes (what each rank hands to the call). Not measured here: ``tests/unit/test_comm_volume.py``
@@ -56,10 +56,8 @@ Writes benchmarks/results/parallel-<device>.json (and a PNG if matplotlib is ins
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
-import shutil
 import statistics
 import sys
 import tempfile
@@ -69,13 +67,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from comm_volume import KINDS, step_bytes  # noqa: E402
-from throughput import BUSY_LIMIT, machine_info, others_busy_cores  # noqa: E402
-from workload import make_workload  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (BUSY_LIMIT, add_round_args, copy_tokenizer, machine_info,  # noqa: E402
+                               others_busy_cores, result_path, round_workload, timed_generate, write_results)
 
-RESULTS = Path(__file__).resolve().parent / "results"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+from paged_runtime.utils.comm_volume import KINDS, step_bytes  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -97,16 +93,12 @@ def make_model(folder: Path, dtype: torch.dtype) -> Path:
     """A random Llama of SmolLM2-135M's size whose heads split over 2 (and 4) ranks, with SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from paged_runtime.models.default_model import default_model_path
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
                          rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(dtype).save_pretrained(folder, safe_serialization=True)
-    smollm2 = default_model_path()
-    for name in TOKENIZER_FILES:
-        if (smollm2 / name).exists():
-            shutil.copy(smollm2 / name, folder / name)
+    copy_tokenizer(folder)
     return folder
 
 
@@ -153,14 +145,6 @@ def threads_per_rank(layout: Layout) -> int:
     if layout.backend is None:
         return layout.threads or torch.get_num_threads()
     return max(1, len(os.sched_getaffinity(0)) // (layout.tp * layout.pp))
-
-
-def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
-    from paged_runtime import SamplingParams
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
 def measure(llm, recorder: StepRecorder, layout: Layout, model, dtype_bytes: int, workload,
@@ -223,17 +207,11 @@ def print_table(summary: dict) -> None:
               f"{sum(s['decode_comm_bytes_per_step'].values()) / 1e3:>16.1f} "
               f"{s['mixed_pipe_bytes_per_step'] / 1e3:>13.1f}")
     print("ms/step: mean engine step (the executor's execute) of the mixed workload / of batch-1 decoding; coll: "
-          "all-reduce + all-gather + send payload, all ranks together (benchmarks/comm_volume.py); "
+          "all-reduce + all-gather + send payload, all ranks together (paged_runtime/utils/comm_volume.py); "
           "pipes: pickled calls and answers (measured)")
 
 
-def plot(summary: dict, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def draw(plt, summary: dict, title: str):
     names = list(summary)
     colors = ["#888"] + ["#36c"] * (len(names) - 1)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
@@ -251,22 +229,14 @@ def plot(summary: dict, path: Path, title: str) -> bool:
     for ax in axes:
         ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     p.add_argument("--model", type=Path, default=None, help="a model folder (default: a random SmolLM2-sized Llama)")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--output-mean", type=float, default=24.0)
-    p.add_argument("--prompt-mean", type=float, default=64.0)
-    p.add_argument("--sigma", type=float, default=0.8)
-    p.add_argument("--decode-tokens", type=int, default=24)
-    p.add_argument("--rounds", type=int, default=2)
+    add_round_args(p, num_requests=16, output_mean=24.0, prompt_mean=64.0, decode_tokens=24, rounds=2)
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="per rank")
@@ -276,9 +246,7 @@ def main(argv=None) -> int:
     layouts = [LAYOUTS[name] for name in args.layouts.split(",")]
     from paged_runtime import LLM
     from paged_runtime.models.config import ModelConfig
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or RESULTS / f"parallel-{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or result_path("parallel")
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory(prefix="parallel-bench-") as tmp:
         folder = args.model or make_model(Path(tmp), dtype)
@@ -303,9 +271,7 @@ def run(args, layouts: list[Layout], engines: dict, startup: dict, model, folder
     recorders = {name: StepRecorder(llm.engine.core.executor) for name, llm in engines.items()}
     first = engines[layouts[0].name]
     vocab = first.engine.vocab_size
-    workload = make_workload(0, args.num_requests, args.prompt_mean, args.output_mean, args.sigma,
-                             args.max_model_len, vocab)
-    decode_prompt = make_workload(1, 1, 32, 1, 0.1, args.max_model_len, vocab)[0].prompt
+    workload, decode_prompt = round_workload(args, vocab)
     dtype_bytes = getattr(torch, args.dtype).itemsize
     machine = machine_info() | {"dtype": args.dtype, "note": args.note}
     model_info = {"folder": "random SmolLM2-sized Llama" if args.model is None else str(folder),
@@ -342,19 +308,14 @@ def run(args, layouts: list[Layout], engines: dict, startup: dict, model, folder
               "threads_per_rank": {layout.name: threads_per_rank(layout) for layout in layouts},
               "startup_s": startup,  # spawning the workers, loading the shards, sizing the KV cache
               "comm_bytes": "payload handed to torch.distributed per step, all ranks together, from the model's "
-                            "shape (benchmarks/comm_volume.py, checked by tests/unit/test_comm_volume.py)",
+                            "shape (paged_runtime/utils/comm_volume.py, checked by tests/unit/test_comm_volume.py)",
               "pipe_bytes": "measured: pickled execute call x ranks + the driver's pickled answer",
               "summary": summary, "requests_identical_to_first_layout": same, "rounds": rounds}
-    out.write_text(json.dumps(result, indent=2))
-    png = out.with_suffix(".png")
     title = f"tensor / pipeline parallel, {machine['cpu_model']}, {machine['cpu_count']} cores ({args.dtype})"
     busy = max(s["others_busy_cores"] for s in summary.values())
     if busy > BUSY_LIMIT:  # a picture travels without its JSON
         title += f": measured while other work kept up to {busy:.1f} cores busy (not comparable)"
-    if plot(summary, png, title):
-        print(f"wrote {out} and {png}")
-    else:
-        print(f"wrote {out}")
+    print(write_results(out, result, draw, summary, title))
     return 0
 
 

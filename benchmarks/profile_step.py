@@ -4,14 +4,15 @@ Builds the embedded SmolLM2 (bfloat16), prefills ``--batch`` random prompts
 of ``--context`` tokens, then times ``--steps`` decode steps and profiles
 three more. Prints ms/step, tok/s, the top operators by self CPU time and, on CUDA, the host syncs
 per step (stream, device and event synchronizations: the runner's one sanctioned read is an
-event wait, so counting stream syncs alone would show 0); writes benchmarks/results/profile-step-b<batch>-c<context>.json.
+event wait, so counting stream syncs alone would show 0); writes benchmarks/results/profile_step-<device>.json
+(a batch or context other than the defaults 128 and 300 is named: profile_step-b1-cpu.json,
+profile_step-b1_c1000-cpu.json).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_step.py --batch 128 --context 300
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -20,16 +21,19 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from paged_runtime import LLM, SamplingParams
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import result_path, write_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from paged_runtime import LLM, SamplingParams  # noqa: E402
+
+BATCH, CONTEXT = 128, 300  # the defaults: a result measured at others names them
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--context", type=int, default=CONTEXT)
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args(argv)
     llm = LLM(dtype="bfloat16", max_model_len=2048, kv_cache_memory=2 * 2**30, max_num_seqs=256,
@@ -60,11 +64,10 @@ def main(argv=None) -> int:
     print(f"{'operator':55s} {'ms/step':>9s} {'share':>7s}")
     for r in rows:
         print(f"{r['op'][:55]:55s} {r['self_ms_per_step']:9.1f} {r['share']:7.1%}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"profile-step-b{args.batch}-c{args.context}.json"
-    out.write_text(json.dumps({"parameters": vars(args), "ms_per_step": step_s * 1000,
-                               "tok_s": args.batch / step_s, "syncs_per_step": syncs, "top_ops": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    out = result_path("profile_step", None if args.batch == BATCH else f"b{args.batch}",
+                      None if args.context == CONTEXT else f"c{args.context}")
+    print(write_results(out, {"parameters": vars(args), "ms_per_step": step_s * 1000, "tok_s": args.batch / step_s,
+                              "syncs_per_step": syncs, "top_ops": rows}))
     return 0
 
 

@@ -13,7 +13,7 @@ What it measures
       engine's prompt logprobs;
     * per round (the engines in turn, the order alternating): batch 1, one request decoding
       ``--decode-tokens`` tokens (ms per output token, its 32-token prefill included), and the mixed
-      workload (``benchmarks/workload.py``, ``--num-requests`` at once, greedy, ``ignore_eos``: output tokens
+      workload (``benchmarks/common.py``, ``--num-requests`` at once, greedy, ``ignore_eos``: output tokens
       per second; llama.cpp, which has no continuous batching, serves them one after another).
       Each engine keeps its best round; ratios are against bfloat16 (and llama.cpp) from the same run.
 
@@ -31,7 +31,6 @@ Writes benchmarks/results/quantization-<device>.json (and a PNG if matplotlib is
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -39,23 +38,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import BUSY_LIMIT, machine_info, others_busy_cores  # noqa: E402
-from workload import make_workload  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (BUSY_LIMIT, ROOT, add_round_args, machine_info, others_busy_cores,  # noqa: E402
+                               result_path, round_workload, timed_generate, write_results)
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 TEXT = ROOT / "tests" / "data" / "lighthouse_keepers.txt"
 MODES = ("none", "int8", "int4", "gguf")
 PEER = "llama.cpp"
-
-
-def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
-    from paged_runtime import SamplingParams
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
 class LlamaCppPeer:
@@ -107,13 +96,7 @@ def measure(llm, workload, decode_prompt: list[int], decode_tokens: int) -> dict
             "others_busy_cores": busy}
 
 
-def plot(summary: dict, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def draw(plt, summary: dict, title: str):
     panels = (("weight_mib", "resident weights, MiB"), ("decode_ms_per_token", "batch 1, ms per token"),
               ("tok_s", "mixed workload, output tokens / s"), ("perplexity", "perplexity (lower is better)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.4))
@@ -124,20 +107,12 @@ def plot(summary: dict, path: Path, title: str) -> bool:
         ax.tick_params(axis="x", labelsize=7)
         ax.set_title(label, fontsize=9)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--output-mean", type=float, default=32.0)
-    p.add_argument("--prompt-mean", type=float, default=64.0)
-    p.add_argument("--sigma", type=float, default=0.8)
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
+    add_round_args(p, num_requests=32, output_mean=32.0, prompt_mean=64.0, decode_tokens=32, rounds=2)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--ppl-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -151,18 +126,14 @@ def main(argv=None) -> int:
     from paged_runtime import LLM
     from paged_runtime.layers.quantization import resident_bytes
     from paged_runtime.utils.perplexity import perplexity
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or RESULTS / f"quantization-{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or result_path("quantization")
     from paged_runtime.models.default_model import default_model_path
     plain = plain_checkpoint(default_model_path(), Path(tempfile.mkdtemp(prefix="smollm2-plain-")))
     engines = {mode: LLM(model=None if mode == "gguf" else str(plain), dtype="bfloat16", quantization=mode,
                          max_model_len=args.max_model_len, seed=0, max_num_seqs=max(args.num_requests, 1),
                          kv_cache_memory=256 << 20, enable_prefix_caching=False) for mode in MODES}
     vocab = engines["none"].engine.vocab_size
-    workload = make_workload(0, args.num_requests, args.prompt_mean, args.output_mean, args.sigma,
-                             args.max_model_len, vocab)
-    decode_prompt = make_workload(1, 1, 32, 1, 0.1, args.max_model_len, vocab)[0].prompt
+    workload, decode_prompt = round_workload(args, vocab)
     machine = machine_info() | {"dtype": "bfloat16", "ops": engines["none"].engine.core.ops.name, "note": args.note}
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cores, torch {machine['torch']} "
           f"({machine['torch_threads']} threads), bfloat16, ops {machine['ops']}", flush=True)
@@ -219,12 +190,8 @@ def main(argv=None) -> int:
               f"{cell(v, 'decode_speedup', '>16.2f'):>16} {cell(v, 'throughput', '>18.2f'):>18}")
     result = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
               "rounds": rounds}
-    out.write_text(json.dumps(result, indent=2))
-    png = out.with_suffix(".png")
-    if plot(summary, png, f"quantized weights and llama.cpp, SmolLM2-135M, {machine['cpu_model']} (bfloat16 activations)"):
-        print(f"wrote {out} and {png}")
-    else:
-        print(f"wrote {out}")
+    title = f"quantized weights and llama.cpp, SmolLM2-135M, {machine['cpu_model']} (bfloat16 activations)"
+    print(write_results(out, result, draw, summary, title))
     for name in MODES:
         engines[name].engine.core.shutdown()
     return 0

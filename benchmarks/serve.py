@@ -11,11 +11,11 @@ What it measures (the definitions of ``vllm bench serve``)
     output tokens / wall seconds. Each statistic is reported as mean, median and p99.
 
 Workload
-    The same as benchmarks/throughput.py, same seed: prompt and output lengths drawn from lognormal
-    distributions (mean prompt ~160 tokens, mean output ~340, sigma 0.8, long tails), capped so that
-    prompt + output <= --max-model-len; prompts are random token ids (special ids excluded), sent as
-    token-id prompts; greedy, with ``ignore_eos`` (a vLLM extra field) so every request produces exactly
-    its drawn output length.
+    The same as benchmarks/throughput.py (make_workload in benchmarks/common.py), same seed: prompt and
+    output lengths drawn from lognormal distributions (mean prompt ~160 tokens, mean output ~340, sigma
+    0.8, long tails), capped so that prompt + output <= --max-model-len; prompts are random token ids
+    (special ids excluded), sent as token-id prompts; greedy, with ``ignore_eos`` (a vLLM extra field) so
+    every request produces exactly its drawn output length.
 
 Arrivals
     ``--request-rate R``: Poisson arrivals (exponential gaps, seeded) at R requests/s; ``inf`` (default)
@@ -27,7 +27,8 @@ How to run
     .venv/bin/python benchmarks/serve.py --max-concurrency 1 8 32 64 --num-requests 4 16 48 64
     .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --request-rate 2 --num-requests 50
 
-Writes benchmarks/results/serve-<label>.json (and a PNG if matplotlib is installed).
+Writes benchmarks/results/serve[-<label>]-<device>.json (and a PNG if matplotlib is installed): ``--label``
+says what was served (e.g. smollm2), ``--device`` where (default: this machine's, cpu or the GPU's name).
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,10 +44,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import FIRST_ORDINARY_ID, Request, make_workload  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (FIRST_ORDINARY_ID, Request, args_dict, describe, machine_info,  # noqa: E402
+                               make_workload, result_path, write_results)
 
 
 @dataclass
@@ -79,8 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
     p.add_argument("--warmup", type=int, default=1, help="short requests sent before each run, not measured")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
-    p.add_argument("--label", default=None, help="result file name part (default: the model name)")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/serve-<label>.json)")
+    p.add_argument("--label", default=None, help="what is served, for the file name (e.g. smollm2)")
+    p.add_argument("--device", default=None, help="the server's device, for the file name (default: this machine's)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/serve[-<label>]-<device>.json)")
     args = p.parse_args(argv)
     if len(args.num_requests) not in (1, len(args.max_concurrency)):
         p.error("--num-requests takes one value or one per --max-concurrency value")
@@ -169,11 +169,8 @@ async def resolve_model(args: argparse.Namespace, client: httpx.AsyncClient) -> 
 
 
 # ---- statistics --------------------------------------------------------------------------------
-def describe(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "median": None, "p99": None}
-    a = np.asarray(values) * 1000.0  # milliseconds
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+def ms(seconds: list[float]) -> dict:
+    return describe(seconds, scale=1000.0)
 
 
 def summarize(concurrency: int, results: list[RequestResult], seconds: float) -> dict:
@@ -185,8 +182,8 @@ def summarize(concurrency: int, results: list[RequestResult], seconds: float) ->
             "seconds": seconds, "prompt_tokens": sum(r.prompt_len for r in done), "output_tokens": output_tokens,
             "request_throughput": len(done) / seconds, "output_throughput": output_tokens / seconds,
             "total_token_throughput": (output_tokens + sum(r.prompt_len for r in done)) / seconds,
-            "ttft_ms": describe([r.ttft for r in done]), "tpot_ms": describe(tpot),
-            "itl_ms": describe([gap for r in done for gap in r.itl]), "e2el_ms": describe([r.e2el for r in done])}
+            "ttft_ms": ms([r.ttft for r in done]), "tpot_ms": ms(tpot),
+            "itl_ms": ms([gap for r in done for gap in r.itl]), "e2el_ms": ms([r.e2el for r in done])}
 
 
 COLUMNS = [("conc", "max_concurrency", "{:d}"), ("reqs", "completed", "{:d}"), ("s", "seconds", "{:.1f}"),
@@ -220,13 +217,7 @@ def print_table(levels: list[dict]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def write_png(path: Path, levels: list[dict]) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def draw(plt, levels: list[dict]):
     x = [level["max_concurrency"] for level in levels]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     left.plot(x, [level["output_throughput"] for level in levels], marker="o")
@@ -235,15 +226,7 @@ def write_png(path: Path, levels: list[dict]) -> Path | None:
         right.plot(x, [level[key]["median"] for level in levels], marker="o", label=f"{name} median")
     right.set(xlabel="max concurrency", ylabel="ms", xscale="log", yscale="log", title="latency")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def machine_info(load_at_start: float) -> dict:
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-            "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]}}
+    return fig
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -275,14 +258,11 @@ def main(argv=None) -> int:
     report = asyncio.run(run(args))
     print()
     print_table(report["levels"])
-    label = args.label or report["model"].replace("/", "_")
-    out = args.out or RESULTS / f"serve-{label}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
+    out = args.out or result_path("serve", args.label, device=args.device)
+    params = {k: v for k, v in args_dict(args).items() if k != "api_key"}
     params["request_rate"] = str(args.request_rate)
-    out.write_text(json.dumps({"machine": machine_info(load), "parameters": params, **report}, indent=2) + "\n")
-    png = write_png(out.with_suffix(".png"), report["levels"])
-    print(f"\nwrote {out}" + (f" and {png}" if png else " (no PNG: matplotlib not installed)"))
+    machine = machine_info() | {"load_average_1m": {"start": load, "end": os.getloadavg()[0]}}
+    print("\n" + write_results(out, {"machine": machine, "parameters": params, **report}, draw, report["levels"]))
     return 0 if all(level["failed"] == 0 for level in report["levels"]) else 1
 
 

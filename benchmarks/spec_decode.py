@@ -17,19 +17,19 @@ What it measures
     speculative run is compared with the plain run of the same batch size in
     the same process (ratios; absolute times on a shared 2-core machine are noise).
 
-Writes results/spec-decode-<dtype>.json (and a PNG when matplotlib is installed).
+Writes results/spec_decode-<device>.json (spec_decode-float32-<device>.json with ``--dtype float32``; and a PNG
+when matplotlib is installed).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine_info, others_busy_cores  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import machine_info, others_busy_cores, result_path, write_results  # noqa: E402
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The lazy dog sleeps while the quick brown fox runs.",
@@ -126,32 +126,21 @@ def main(argv=None) -> int:
     ngram_b1 = next(r for r in rows if r["system"] == "ngram" and r["batch"] == 1)
     print(f"\nn-gram speed-up at batch 1: {ngram_b1['speedup']:.2f}x (target >= 1.5x: "
           f"{'met' if ngram_b1['speedup'] >= 1.5 else 'NOT met'})")
-    out = args.out or Path(__file__).parent / "results" / f"spec-decode-{args.dtype}.json"
-    out.parent.mkdir(exist_ok=True)
+    out = args.out or result_path("spec_decode", None if args.dtype == "bfloat16" else args.dtype)
     for r in rows:
         r.pop("tokens")
-    out.write_text(json.dumps({"machine": machine_info(), "parameters": vars(args) | {"out": str(out)},
-                               "results": rows}, indent=2))
-    print(f"wrote {out}" + write_png(out.with_suffix(".png"), rows))
+    print(write_results(out, {"machine": machine_info(), "parameters": vars(args) | {"out": str(out)},
+                              "results": rows}, draw, rows))
     return 0
 
 
-def write_png(path: Path, rows: list[dict]) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return " (no PNG: matplotlib not installed)"
+def draw(plt, rows: list[dict]):
     fig, ax = plt.subplots(figsize=(6, 3))
     labels = [f"{r['system']} b{r['batch']}" for r in rows]
     ax.barh(labels[::-1], [r["speedup"] for r in rows][::-1])
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("tokens/s relative to plain decoding (same batch)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return f" and {path}"
+    return fig
 
 
 if __name__ == "__main__":

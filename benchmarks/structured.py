@@ -3,7 +3,7 @@ the compiled-grammar cache and the per-step mask cost.
 
 What it measures
     The embedded SmolLM2-135M-Instruct answers ``--num-requests`` (32) chat prompts (the tokenizer's chat
-    template) asking for an employee record as JSON. Prompt lengths are the mixed workload's (``workload.py``,
+    template) asking for an employee record as JSON. Prompt lengths are the mixed workload's (``common.py``,
     the same seed and lognormal lengths as ``throughput.py``): each prompt carries a background text cut to its
     drawn length. All requests are submitted at once (``--max-num-seqs`` = the batch), greedy, and the engine
     is stepped until idle. Per configuration and round:
@@ -51,11 +51,10 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import BUSY_LIMIT, machine_info, others_busy_cores  # noqa: E402
-from workload import make_workload  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (BUSY_LIMIT, args_dict, machine_info, make_workload,  # noqa: E402
+                               others_busy_cores, result_path, write_results)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.9  # constrained / unconstrained output tok/s at batch 32
 
 SCHEMA = {
@@ -332,13 +331,7 @@ def summarize(runs: dict[str, list[dict]], kinds: list[str]) -> list[dict]:
     return summary
 
 
-def plot(summary: list[dict], path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def draw(plt, summary: list[dict], title: str):
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
     x = range(len(summary))
     w = 0.38
@@ -352,10 +345,7 @@ def plot(summary: list[dict], path: Path, title: str) -> bool:
         ax.set_ylabel(label, fontsize=8)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
@@ -382,9 +372,7 @@ def main(argv=None) -> int:
     from paged_runtime import LLM
     wall = time.perf_counter()
     busy = others_busy_cores()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or RESULTS / f"structured-{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or result_path("structured")
     if busy is not None and busy > BUSY_LIMIT:
         print(f"warning: other processes keep {busy:.1f} cores busy; figures will be distorted", flush=True)
 
@@ -460,18 +448,15 @@ def main(argv=None) -> int:
     for rows in runs.values():
         for r in rows:
             r.pop("_tokens")
-    report = {"machine": machine, "parameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    report = {"machine": machine, "parameters": args_dict(args),
               "others_busy_cores_at_start": busy, "schema": SCHEMA, "regex": REGEX, "choice": CHOICE,
               "compile_ms": compile_ms, "engine_warmup_compile": {k: w["compile_s"] * 1e3 for k, w in warm.items()},
               "engine_grammar_stats": {"num_compiled": stats.num_compiled, "num_hits": stats.num_hits,
                                        "compile_seconds": stats.compile_seconds},
               "measured_cache": {"compiles": compiles, "hits": hits}, "mask_micro": micro,
               "summary": summary, "runs": runs, "wall_seconds": time.perf_counter() - wall}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
     title = f"structured outputs, batch {args.num_requests}, SmolLM2-135M {args.dtype}, {machine['cpu_model']}"
-    if plot(summary, out.with_suffix(".png"), title):
-        print(f"wrote {out.with_suffix('.png')}")
+    print("\n" + write_results(out, report, draw, summary, title))
     return 0
 
 

@@ -41,16 +41,15 @@ How to run
 Defaults (128 requests; HF: 4 one at a time, one static batch of 32) take
 about 5 minutes on 2 idle Xeon cores.
 
-Writes benchmarks/results/throughput-<dtype>.json (and a PNG if matplotlib is
-installed).
+Writes benchmarks/results/throughput-<device>.json, throughput-mixed-<device>.json with
+``--mixed-sampling`` (a --dtype other than bfloat16 joins the qualifier: throughput-float32-cpu.json,
+throughput-mixed_float32-cpu.json), and a PNG if matplotlib is installed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -59,13 +58,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import FIRST_ORDINARY_ID, Request, make_workload  # noqa: E402
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import (BUSY_LIMIT, FIRST_ORDINARY_ID, Request, args_dict, describe,  # noqa: E402
+                               machine_info, make_workload, others_busy_cores, result_path, write_results)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"vs_hf_single": 30.0, "vs_hf_static": 3.0, "output_tok_s": 600.0, "kv_utilization": 0.97,
            "mixed_vs_greedy": 0.9}
-BUSY_LIMIT = 0.3  # cores busy with other work above which a figure is flagged as distorted
 
 
 @dataclass
@@ -104,15 +102,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="runtime only")
     p.add_argument("--mixed-sampling", action="store_true",
                    help="also run the workload with mixed sampling params and compare with greedy")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/throughput-<dtype>.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default results/throughput[-mixed]-<device>.json)")
     return p.parse_args(argv)
 
 
 def workload_summary(work: list[Request]) -> dict:
     p = np.array([len(r.prompt) for r in work])
     o = np.array([r.output_len for r in work])
-    stats = lambda a: {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99)),
-                       "max": int(a.max()), "total": int(a.sum())}
+    stats = lambda a: describe(a) | {"max": int(a.max()), "total": int(a.sum())}  # noqa: E731
     return {"requests": len(work), "prompt_len": stats(p), "output_len": stats(o)}
 
 
@@ -157,8 +155,8 @@ class KVTracker:
             self.contiguous.append(states / (len(running) * core.max_model_len))
 
     def summary(self) -> dict:
-        describe = lambda xs: {"mean": float(np.mean(xs)), "min": float(np.min(xs))} if xs else None
-        return {"steps": len(self.paged), "paged": describe(self.paged), "contiguous": describe(self.contiguous)}
+        mean_min = lambda xs: {"mean": float(np.mean(xs)), "min": float(np.min(xs))} if xs else None  # noqa: E731
+        return {"steps": len(self.paged), "paged": mean_min(self.paged), "contiguous": mean_min(self.contiguous)}
 
 
 def run_runtime(llm, work: list[Request], mixed: bool = False) -> tuple[Result, dict, list[list[int]]]:
@@ -250,25 +248,6 @@ def greedy_agreement(runtime_outputs: list[list[int]], hf_outputs: list[list[int
 
 
 # ---- reporting -----------------------------------------------------------------------
-def others_busy_cores(seconds: float = 1.0) -> float | None:
-    """Cores kept busy by other processes over ``seconds`` while this one sleeps (from /proc/stat).
-
-    torch's CPU thread pool slows down many-fold when its cores are shared, so a
-    figure measured next to a busy neighbour is not comparable.
-    """
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # busy (minus idle, iowait), total
-    try:
-        busy0, total0 = read()
-        time.sleep(seconds)
-        busy1, total1 = read()
-    except (OSError, ValueError):
-        return None
-    return round((busy1 - busy0) / max(1, total1 - total0) * os.cpu_count(), 2)
-
-
 def timed(run, *args):
     """Runs ``run(*args)`` (whose first return value is a Result) between two idle CPU samples."""
     before = others_busy_cores()
@@ -276,35 +255,6 @@ def timed(run, *args):
     result = out[0] if isinstance(out, tuple) else out
     result.others_busy_cores = (before, others_busy_cores())
     return out
-
-
-def machine_info() -> dict:
-    import transformers
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_model": _cpu_model(), "git": _git_revision(),
-            "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
-
-
-def _git_revision() -> dict | None:
-    """Commit of the measured checkout, and whether paged_runtime/ had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        run = lambda *cmd: subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True,
-                                          check=True).stdout.strip()
-        return {"commit": run("rev-parse", "HEAD"),
-                "paged_runtime_dirty": bool(run("status", "--porcelain", "--", "paged_runtime"))}
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def print_table(results: list[Result]) -> None:
@@ -352,21 +302,12 @@ def print_summary(checks: dict, kv: dict) -> None:
               f"preemptions {kv['preemptions']}")
 
 
-def write_png(path: Path, results: list[Result]) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def draw(plt, results: list[Result], title: str):
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.barh([r.system for r in results][::-1], [r.tok_s for r in results][::-1])
     ax.set_xlabel("output tokens / s")
-    ax.set_title(path.stem)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    ax.set_title(title)
+    return fig
 
 
 # ---- main ----------------------------------------------------------------------------
@@ -417,18 +358,16 @@ def main(argv=None) -> int:
         print("greedy agreement runtime vs HF (matching prefix / output len): "
               + ", ".join(f"{a['matching_prefix']}/{a['output_len']}" for a in agreement))
 
-    out = args.out or RESULTS / f"throughput-{args.dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    out = args.out or result_path("throughput", "mixed" if args.mixed_sampling else None,
+                                  None if args.dtype == "bfloat16" else args.dtype)
+    params = args_dict(args)
     report = {"machine": machine_info(), "parameters": params, "workload": workload_summary(work),
               "hf_static_workload": workload_summary(work[:args.hf_batch_size * args.hf_batches]),
               "results": [vars(r) | {"output_tok_s": r.tok_s, "vs_runtime": r.tok_s / runtime.tok_s}
                           for r in results],
               "kv_cache": kv, "targets": checks, "greedy_agreement": agreement,
               "wall_seconds": time.perf_counter() - started}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    png = write_png(out.with_suffix(".png"), results)
-    print(f"\nwrote {out}" + (f" and {png}" if png else " (no PNG: matplotlib not installed)"))
+    print("\n" + write_results(out, report, draw, results, out.stem))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The soak (benchmarks/soak.py) for 60 seconds with 8 clients: every one of its checks must pass.
+"""The soak (tests/helpers/soak.py; benchmarks/soak.py runs it too) for 60 seconds with 8 clients: every one of
+its checks must pass.
 
 It starts its own server subprocess on the session's tiny random Llama, so it
 takes about 90 seconds. Before issue 19's fixes it failed on: wrong content type
@@ -18,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_soak_60_seconds_every_check_passes(tiny_llama_dir, tmp_path):
     output = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--seconds", "60", "--clients", "8",
-                          "--model", str(tiny_llama_dir), "--output", str(output)],
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "soak.py"), "--seconds", "60",
+                          "--clients", "8", "--model", str(tiny_llama_dir), "--output", str(output)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert output.is_file(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(output.read_text())

@@ -1,4 +1,4 @@
-"""benchmarks/comm_volume.py's formulas equal the collectives a real parallel step calls.
+"""paged_runtime/utils/comm_volume.py's formulas equal the collectives a real parallel step calls.
 
 One process plays tensor-parallel rank 0 of every pipeline stage: the engine's in-process worker is the
 driver (rank 0 of the last stage) and the earlier stages' workers run each step first. torch.distributed is
@@ -7,9 +7,7 @@ receive yields zeros), so the tokens are meaningless but every call, and its ten
 """
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +17,10 @@ from paged_runtime.executor import base
 from paged_runtime.layers.linear import TensorParallel
 from paged_runtime.layers.pipeline import PipelineStage
 from paged_runtime.models.config import ModelConfig
+from paged_runtime.utils.comm_volume import rank_bytes, rank_calls
 from paged_runtime.worker import worker as worker_module
 from paged_runtime.worker.worker import Placement, Worker, driver_rank
 from conftest import make_llm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from comm_volume import rank_bytes, rank_calls  # noqa: E402
 
 
 class Collectives:

@@ -14,7 +14,8 @@ last row of every item that samples; no speculative drafts, no prompt logprobs),
 
 "Bytes" are the tensor each rank hands to the call (the payload), not what the algorithm puts on the
 wire: a ring all-reduce sends about 2 (tp - 1) / tp of it per rank, an all-gather tp - 1 shards.
-``tests/unit/test_comm_volume.py`` checks these formulas against the collectives a real step calls.
+``tests/unit/test_comm_volume.py`` checks these formulas against the collectives a real step calls;
+``benchmarks/parallel.py`` reports them per step.
 """
 from __future__ import annotations
 

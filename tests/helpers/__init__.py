@@ -1,0 +1,1 @@
+"""Code the tests run that is not a test itself (benchmarks/ may use it; tests never import benchmarks/)."""
