@@ -4,14 +4,22 @@ Every engine a test builds runs with the block-accounting invariant checks on.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiled kernels and converted models go into this run's own cache (a private temporary folder, removed at
+# exit) unless the caller names one: a test run never writes into the user's ~/.cache. Set before collection:
+# skip conditions load the kernels. Subprocesses (servers, ranks, ISA variants) inherit it.
+if not os.environ.get("PAGED_RUNTIME_CACHE"):
+    os.environ["PAGED_RUNTIME_CACHE"] = tempfile.mkdtemp(prefix="paged_runtime-tests-")
+    atexit.register(shutil.rmtree, os.environ["PAGED_RUNTIME_CACHE"], ignore_errors=True)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

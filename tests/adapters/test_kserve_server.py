@@ -26,6 +26,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = [pytest.mark.kserve]
+
 NAME = "tiny-kserve"
 API_KEY = "kserve-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

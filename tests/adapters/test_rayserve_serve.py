@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+pytestmark = [pytest.mark.ray]
+
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 

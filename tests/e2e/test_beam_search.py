@@ -41,6 +41,7 @@ def test_tiny_beam_search_matches_transformers(tiny_llama_dir, width, length_pen
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_smollm2_beam_search_matches_transformers(smollm2_dir):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

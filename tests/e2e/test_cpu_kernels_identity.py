@@ -13,7 +13,7 @@ from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
 from paged_runtime.layers.ops import CpuKernelOps
 
-pytestmark = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")]
 
 TINY_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads, head dim 16, fp32, 16 tokens
 

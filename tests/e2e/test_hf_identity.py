@@ -63,6 +63,7 @@ def test_unchunked_batch_with_small_decode_groups(tiny_llama_dir, tiny_hf, monke
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_dir):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

@@ -154,6 +154,7 @@ def smollm2_engines(smollm2_dir):
         llm.engine.core.shutdown()
 
 
+@pytest.mark.slow
 def test_8_bit_kv_perplexity_is_within_2_percent_of_bfloat16(smollm2_engines):
     """2% is the quality bar, not a measured figure (measured: fp8 and int8 within 0.5%): a cache that costs
     more perplexity than that is not worth its memory. A wrong read costs far more (tens of percent)."""
@@ -224,6 +225,7 @@ def bfloat16_reference(smollm2_engines):
     return ref, bound
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines, bfloat16_reference, name):
     """Greedy tokens equal bfloat16's until a near-tie (``parting_problems``)."""
@@ -231,6 +233,7 @@ def test_8_bit_kv_greedy_tokens_follow_bfloat16(smollm2_engines, bfloat16_refere
     assert not parting_problems(ref, greedy(smollm2_engines[name]), bound)
 
 
+@pytest.mark.slow
 def test_a_wrong_cache_read_fails_the_near_tie_check(smollm2_dir, bfloat16_reference, monkeypatch):
     """The check above can fail: an fp8 cache read one slot off (an off-by-one, the subtlest wrong read; through
     the PyTorch path, where the read is one function) parts from bfloat16 beyond a near-tie."""

@@ -185,6 +185,7 @@ def test_kv_budget_too_small_names_the_largest_length(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=1024, kv_cache_memory=10 * per_block)
 
 
+@pytest.mark.slow
 def test_gguf_file_loads_and_matches_the_converted_default(smol, tmp_path, monkeypatch):
     from paged_runtime.models.default_model import find_default_gguf
     monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path))

@@ -16,6 +16,8 @@ from paged_runtime.sampling_params import StructuredOutputsParams
 
 from conftest import assert_idle, make_llm, process_alive
 
+pytestmark = [pytest.mark.parallel]
+
 NUM_BLOCKS = 24
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # K and V x 2 layers x 2 KV heads x head dim 16 x fp32 x 16 tokens
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2-pp2": (2, 2)}

@@ -19,6 +19,8 @@ import pytest
 from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 
+pytestmark = [pytest.mark.ray, pytest.mark.parallel]
+
 ray = pytest.importorskip("ray")
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -264,6 +264,7 @@ def test_a_contradicting_or_unsupported_quantization_is_refused(tiny128_dir, tmp
         make_llm(checkpoint)
 
 
+@pytest.mark.parallel
 def test_a_gptq_checkpoint_runs_on_two_tensor_parallel_ranks(tmp_path, smollm2_dir):
     """Each rank takes its shard of the packed tensors (a Llama of hidden 256: the row-parallel o_proj and
     down_proj keep whole groups of 128 per rank); the tokens are one rank's."""

@@ -13,6 +13,8 @@ from paged_runtime import LLM, SamplingParams
 from paged_runtime.layers.quantization import resident_bytes
 from paged_runtime.utils.perplexity import perplexity
 
+pytestmark = [pytest.mark.slow]
+
 TEXT = Path(__file__).resolve().parents[1] / "data" / "lighthouse_keepers.txt"
 MODES = ("none", "int8", "int4", "gguf")
 SCORED_TOKENS, WINDOW = 1024, 512  # the first half of the text keeps the three engines' scoring short
@@ -144,6 +146,7 @@ def test_tiny_llama_quantized_computes_as_its_dequantized_weights(tiny_llama_dir
     assert greedy(tiny_llama_dir, quantization) == want
 
 
+@pytest.mark.parallel
 def test_tiny_llama_int4_runs_on_two_tensor_parallel_ranks(tiny_llama_dir):
     """Each rank quantizes its own shard (row-parallel shards of 80 columns are padded to a group of 128):
     the numbers differ from one rank's, so this checks that sharded quantized loading runs."""

@@ -106,6 +106,7 @@ def test_parallel_sampling_prefills_the_prompt_once(tiny):
     assert computed == [39, 4, 4, 4]
 
 
+@pytest.mark.slow
 def test_seeded_request_ignores_63_neighbours_and_order(tiny, smol):
     for llm in (tiny, smol):
         seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=2024)
@@ -129,6 +130,7 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
 
 
+@pytest.mark.slow
 def test_min_tokens_matches_transformers(smol, smollm2_dir):
     from transformers import AutoModelForCausalLM
     messages = [{"role": "user", "content": "Say hi."}]

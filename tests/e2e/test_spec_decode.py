@@ -116,6 +116,7 @@ def test_unverified_tokens_never_enter_the_prefix_cache(tiny_llama_dir, referenc
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_identical_with_ngram_and_draft(smollm2_dir, tmp_path):
     text = ("Copy this list exactly: apples, pears, plums, apples, pears, plums, apples, pears, plums. "
             "Copy: apples, pears,")
@@ -154,6 +155,7 @@ def tiny_noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_sampled_pairs_follow_the_target_distribution(tiny_llama_dir, tiny_noisy_draft_dir):
     """Token 2 of each request comes out of verification (a perturbed draft, so q != p): the joint
     frequencies of (token 1, token 2) must match the target's own p(t1) p(t2 | t1)."""

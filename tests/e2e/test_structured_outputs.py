@@ -18,6 +18,8 @@ import torch
 from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams, StructuredOutputsParams
 
+pytestmark = [pytest.mark.slow]
+
 EOS = 2
 REGEX = r"[a-z]{1,8}( [a-z]{1,8}){0,5}\."
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},

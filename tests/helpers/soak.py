@@ -31,7 +31,7 @@ Checks (exit code 1 if any fails)
     no_timeouts           no request timed out and no connection failed unexpectedly;
     status:<category>     every response of a category had one of its expected statuses;
     schema                every completed response (200 bodies, every streamed chunk, every error body) is valid
-                          against the OpenAI spec (``--spec``, default ../shared/openai-spec/openai-subset.json),
+                          against the OpenAI spec (tests/data/openai-subset.json),
                           streams end with ``[DONE]``, give every choice a finish_reason and carry no error
                           event;
     kv_usage_zero         ``vllm:kv_cache_usage_perc`` (and running / waiting) back to 0 after the load (polled);
@@ -73,8 +73,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers.openai_spec import openai_components
+
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SPEC = REPO.parent / "shared" / "openai-spec" / "openai-subset.json"
 NAME = "soak-model"
 MAX_MODEL_LEN = 512
 OVERSIZED_BYTES = 17 * 2**20
@@ -294,30 +295,13 @@ def make_case(rng: random.Random, categories: dict[str, int]) -> Case:
 
 
 # ---- the OpenAI spec ---------------------------------------------------------------------------------------
-def _nullable_to_json_schema(node):
-    """OpenAPI 3.0's ``nullable: true`` as JSON Schema's null type (as tests/server/conftest.py does)."""
-    if isinstance(node, list):
-        return [_nullable_to_json_schema(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _nullable_to_json_schema(v) for k, v in node.items()}
-    if out.pop("nullable", False) is True:
-        return {"anyOf": [out, {"type": "null"}]}
-    return out
-
-
 class SpecValidator:
     """problems(name, instance): the spec's complaints about a body (empty when valid); validators built once."""
 
-    def __init__(self, spec_path: Path) -> None:
+    def __init__(self) -> None:
         import jsonschema
-        components = _nullable_to_json_schema(json.loads(spec_path.read_text())["components"])
-        # Streamed completion chunks carry finish_reason null until a choice's last chunk (as OpenAI and vLLM
-        # stream; the chat chunk schema says so already): the same patch as tests/server/conftest.py.
-        chunk = json.loads(json.dumps(components["schemas"]["CreateCompletionResponse"]))
-        choice = chunk["properties"]["choices"]["items"]["properties"]
-        choice["finish_reason"] = {"anyOf": [choice["finish_reason"], {"type": "null"}]}
-        components["schemas"]["CompletionStreamChunk"] = chunk
+        components = openai_components()
+        chunk = components["schemas"]["CompletionStreamChunk"]
         # With echo, the first prompt token has no logprob: OpenAI's legacy API (and vLLM) give it null in
         # token_logprobs and top_logprobs, where the spec's items are numbers and objects.
         for schema in (components["schemas"]["CreateCompletionResponse"], chunk):
@@ -624,7 +608,7 @@ def print_report(table: dict, checks: list[dict], duration: float) -> None:
 
 
 async def soak(args, base: str, server: subprocess.Popen, categories: dict[str, int]) -> dict:
-    spec = SpecValidator(args.spec)
+    spec = SpecValidator()
     results: list[Outcome] = []
     rss: list[int] = []
     start = time.monotonic()
@@ -665,7 +649,6 @@ def parse_args(argv=None, default_output: Path | None = None) -> argparse.Namesp
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--rss-growth-bound-mib", type=float, default=256.0)
     p.add_argument("--exclude", nargs="*", default=[], choices=list(MIX), help="categories to leave out")
-    p.add_argument("--spec", type=Path, default=DEFAULT_SPEC)
     p.add_argument("--output", type=Path, default=default_output, required=default_output is None,
                    help="the JSON report")
     return p.parse_args(argv)

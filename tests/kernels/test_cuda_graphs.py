@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.worker.cuda_graphs import DecodeGraphs, capture_sizes
+
+pytestmark = [pytest.mark.kernels]
 
 
 def eager_capture(fn, pool):

@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from paged_runtime.layers.ops import TorchOps, TritonOps
 
+pytestmark = [pytest.mark.kernels]
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 DTYPES = (torch.float32, torch.float16)

@@ -17,6 +17,8 @@ import pytest
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
 
+pytestmark = [pytest.mark.kernels, pytest.mark.slow]
+
 TESTS = Path(__file__).resolve().parents[1]
 # Each file's arithmetic goes through the C kernels' float sums, exp or their int8 activation rounding.
 SENSITIVE = {

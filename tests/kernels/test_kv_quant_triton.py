@@ -14,6 +14,8 @@ from paged_runtime.kernels.store_kv import store_kv
 from .conftest import DEVICE
 from .test_paged_attention import make_batch, ragged_lengths
 
+pytestmark = [pytest.mark.kernels]
+
 NAMES = ("fp8", "int8")
 
 

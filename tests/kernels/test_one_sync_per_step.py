@@ -22,7 +22,8 @@ from paged_runtime import SamplingParams
 from paged_runtime.utils import device_inputs
 from paged_runtime.worker import model_runner
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA stream syncs")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA stream syncs")]
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 

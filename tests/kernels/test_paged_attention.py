@@ -23,6 +23,8 @@ from paged_runtime.kernels.store_kv import store_kv
 
 from .conftest import DEVICE, INTERPRETED
 
+pytestmark = [pytest.mark.kernels]
+
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 

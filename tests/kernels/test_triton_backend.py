@@ -16,6 +16,8 @@ from conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.spec_decode.truncated_draft import write_truncated_draft
 
+pytestmark = [pytest.mark.kernels]
+
 
 @pytest.fixture(scope="module")
 def tiny_draft_dir(tiny_llama_dir, tmp_path_factory):

@@ -20,6 +20,8 @@ from paged_runtime.kernels import cpu
 
 from .conftest import DEVICE
 
+pytestmark = [pytest.mark.kernels]
+
 # (start, query tokens, drafts among them): decodes, verifications, a whole prompt, chunks after a prefix.
 ITEMS = [(0, 1, 0), (4, 1, 0), (39, 1, 0), (70, 1, 0), (100, 1, 0), (50, 4, 3), (9, 3, 2),
          (0, 45, 0), (33, 20, 0), (64, 7, 0)]

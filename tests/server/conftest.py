@@ -7,19 +7,18 @@ its own Prometheus registry, so metric values belong to that server alone.
 """
 from __future__ import annotations
 
-import copy
 import json
 import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
-SPEC_PATH = Path(__file__).resolve().parents[3] / "shared" / "openai-spec" / "openai-subset.json"
+from helpers.openai_spec import openai_components
+
 TINY_NAME = "tiny-llama"
 
 
@@ -117,32 +116,11 @@ def tiny_llm(tiny_llama_dir):
 
 
 # ---- the OpenAI spec ---------------------------------------------------------------------------
-def _nullable_to_json_schema(node):
-    """OpenAPI 3.0's ``nullable: true`` (still used inside this 3.1 document) as JSON Schema's null type."""
-    if isinstance(node, list):
-        return [_nullable_to_json_schema(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _nullable_to_json_schema(v) for k, v in node.items()}
-    if out.pop("nullable", False) is True:
-        return {"anyOf": [out, {"type": "null"}]}
-    return out
-
-
 @pytest.fixture(scope="session")
 def openai_schema():
     """validate(schema_name, instance): checks a body against openai-subset.json, resolving its $refs."""
     import jsonschema
-    if not SPEC_PATH.is_file():
-        pytest.skip(f"the OpenAI spec is not at {SPEC_PATH}")
-    spec = json.loads(SPEC_PATH.read_text())
-    components = _nullable_to_json_schema(spec["components"])
-    # The spec gives streamed and whole completions one shape, but OpenAI (and vLLM) stream
-    # finish_reason null until a choice's last chunk; the chat chunk schema already says so.
-    chunk = copy.deepcopy(components["schemas"]["CreateCompletionResponse"])
-    reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
-    chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}
-    components["schemas"]["CompletionStreamChunk"] = chunk
+    components = openai_components()
 
     def validate(name: str, instance) -> None:
         schema = {"$ref": f"#/components/schemas/{name}", "components": components}

@@ -57,6 +57,7 @@ def run_cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}, **kwargs)
 
 
+@pytest.mark.server
 def test_bad_flags_exit_2_without_loading():
     proc = run_cli("serve", "--tensor-parallel-size", "2", "--async-scheduling")
     out, _ = proc.communicate(timeout=60)
@@ -87,6 +88,7 @@ def test_the_parser_flags_offer_exactly_the_registered_parsers():
         True, "mistral", "deepseek_r1")
 
 
+@pytest.mark.server
 def test_serve_end_to_end(tiny_llama_dir):
     sock = free_socket()  # reserve a free port number, then let the server bind it
     port = sock.getsockname()[1]

@@ -16,9 +16,12 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from .conftest import free_socket
 from .test_cli import run_cli
+
+pytestmark = [pytest.mark.server]
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "logprobs": 5}
 MEDIUM = {"model": "tiny", "prompt": "Hello", "max_tokens": 64, "ignore_eos": True}  # 64 steps: runs on after SIGTERM

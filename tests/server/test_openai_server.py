@@ -378,6 +378,7 @@ def test_errors_through_sdk_then_server_still_serves(client, tiny_server):
 
 
 # ---- disconnects, metrics ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_fifty_streams_half_disconnect(tiny_server):
     """25 clients read to the end, 25 leave after two chunks; afterwards nothing runs and no block is held."""
     before = tiny_server.metrics()

@@ -9,6 +9,8 @@ from paged_runtime import SamplingParams
 
 from .conftest import running_server
 
+pytestmark = [pytest.mark.server]
+
 NAME = "SmolLM2-135M-Instruct"
 
 

@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[2]
 
 def test_soak_60_seconds_every_check_passes(tiny_llama_dir, tmp_path):

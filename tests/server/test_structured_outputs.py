@@ -87,6 +87,7 @@ def ask(content: str) -> list[dict]:
     (Palette, "Name a palette of colors."),
     (Book, "Describe a book."),
 ], ids=["nested", "array-enum", "optional"])
+@pytest.mark.slow
 def test_parse_returns_valid_objects_whole_and_streamed_with_n_2(client, model, prompt):
     completion = client.chat.completions.parse(model=NAME, messages=ask(prompt), response_format=model, n=2,
                                                temperature=0.8, seed=7, max_completion_tokens=200)

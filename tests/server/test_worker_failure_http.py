@@ -8,10 +8,13 @@ import os
 import signal
 
 import httpx
+import pytest
 
 from conftest import process_alive
 
 from .conftest import running_server, sse_events
+
+pytestmark = [pytest.mark.server, pytest.mark.parallel]
 
 
 def test_a_killed_worker_fails_requests_and_the_health_check(tiny_llama_dir):

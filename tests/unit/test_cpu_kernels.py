@@ -228,6 +228,7 @@ def test_fused_decode_layer_refuses_a_layout_its_weights_do_not_match():
         cpu.cpu_decode_layer(x, residual, kv_cache, weights, layout[:4] + [2] + layout[5:], *step)
 
 
+@pytest.mark.slow
 def test_library_is_cached_by_folder_and_falls_back_without_a_compiler(tmp_path, monkeypatch):
     assert cpu.load(tmp_path)
     built = list((tmp_path / "kernels").glob("cpu_ops-*.so"))

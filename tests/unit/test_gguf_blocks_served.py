@@ -24,6 +24,8 @@ from paged_runtime.kernels.gguf_types import row_bytes  # noqa: E402
 from paged_runtime.layers.quantization.gguf_blocks import SERVED, dequantize  # noqa: E402
 from test_gguf_families import _COMMON, _add_tokenizer, _gguf_tensors, _write_metadata  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 Q = gguf.GGMLQuantizationType
 # Per type: the f16 fields (byte offset, value) that scale a block to weights of about +-0.3.
 _SCALES = {"Q4_0": [(0, 0.3 / 8)], "Q4_1": [(0, 0.6 / 15), (2, -0.3)], "Q8_0": [(0, 0.3 / 127)],

@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 from paged_runtime.models import default_model, gguf_convert  # noqa: E402
 from paged_runtime.models.gguf_convert import convert_gguf  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 try:
     SMOL_GGUF = default_model.find_default_gguf()
 except RuntimeError:  # wheel not installed

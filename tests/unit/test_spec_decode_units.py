@@ -85,6 +85,7 @@ def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(((counts - expected) ** 2 / expected).sum()), int(support.sum()) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_probs", [Q, None], ids=["draft-model", "ngram-one-hot"])
 def test_emitted_tokens_follow_the_target_distribution(draft_probs):
     stat, df = chi_square(first_tokens(draft_probs), P)
