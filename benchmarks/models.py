@@ -114,14 +114,14 @@ def hf_decode_ms(model, batch: int, context: int, steps: int, seed: int, max_tok
 
 def measure_family(family: str, args, root: Path) -> dict:
     from paged_runtime import LLM
-    from paged_runtime.models.config import SUPPORTED_ARCHITECTURES
+    from paged_runtime.models.registry import architectures
     dtype = getattr(torch, args.dtype)
     folder, hf_model, layers = build_folder(family, args.max_layers or DEFAULT_MAX_LAYERS.get(family), dtype, root)
     architecture = hf_model.config.architectures[0]
     row = {"family": family, "shape_of": FAMILIES[family][1], "architecture": architecture, "layers": layers,
            "published_layers": FAMILIES[family][2]["num_hidden_layers"],
            "parameters": sum(p.numel() for p in hf_model.parameters())}
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in architectures():
         row["skipped"] = f"{architecture} is not supported here"
         return row
     llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=args.context + args.steps + 32,

@@ -4,7 +4,7 @@ Against Llama: embeddings scaled by sqrt(hidden) (rounded to the weight dtype fi
 ``1 + weight`` in fp32; four norms per layer, the attention and MLP outputs normed before their residual adds;
 per-head q/k norms before RoPE; attention scaled by ``query_pre_attn_scalar ** -0.5``; GeGLU; tied embeddings;
 and interleaved layer kinds: local layers attend to a sliding window with their own RoPE base, global layers
-to the whole context with ``rope_theta`` and ``rope_scaling`` (``config.gemma3_rope``). Each kind's rotation is
+to the whole context with ``rope_theta`` and ``rope_scaling`` (``gemma3_rope``). Each kind's rotation is
 gathered once per step. Weight loading is Llama's (same checkpoint names, q/k/v and gate/up fused).
 
 Hugging Face's Gemma 3 stores ``attn_logit_softcapping`` but never applies it (transformers 5.24:
@@ -12,6 +12,8 @@ Hugging Face's Gemma 3 stores ``attn_logit_softcapping`` but never applies it (t
 we: the oracle's output is what the model means. ``final_logit_softcapping`` is applied, as there.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -25,8 +27,10 @@ from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.layers.rotary import RotaryEmbedding
 from paged_runtime.layers.vocab import ParallelLMHead, ScaledEmbedding
-from paged_runtime.models.config import ModelConfig, gemma3_layer_types, gemma3_rope
+from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.gguf_spec import ATTENTION, DENSE_MLP, QK_NORM, GgufSpec, f32
 from paged_runtime.models.llama import LlamaForCausalLM
+from paged_runtime.models.registry import register
 
 
 class Gemma3Attention(nn.Module):
@@ -122,3 +126,109 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for i in self.held:
             x, residual = self.layers[i](x, residual, ropes[self.layer_kinds[i]], meta)
         return self.stage_output(x, residual)
+
+
+# ---- config.json -------------------------------------------------------------------------
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def gemma3_layer_types(raw: dict) -> list[str]:
+    """Each decoder layer's kind: ``layer_types``, or else the older ``sliding_window_pattern`` P (every P-th
+    layer full, the rest sliding; Hugging Face's default P is 6)."""
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= set(GEMMA3_LAYER_TYPES):
+        raise ValueError(f"Gemma3 layer_types must name each of the {n} layers one of {GEMMA3_LAYER_TYPES}, "
+                         f"got {types}")
+    return list(types)
+
+
+def gemma3_rope(raw: dict) -> dict[str, tuple[float, dict | None]]:
+    """Per layer kind, RoPE's (base, scaling): global layers ``rope_theta`` with ``rope_scaling``, local ones
+    ``rope_local_base_freq`` unscaled (transformers 4.x keys); transformers 5 keys ``rope_parameters`` by kind."""
+    params = raw.get("rope_parameters") or {}
+    if not set(params) & set(GEMMA3_LAYER_TYPES):
+        params = {"full_attention": {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1e6)},
+                  "sliding_attention": {"rope_theta": raw.get("rope_local_base_freq", 1e4)}}
+    rope = {}
+    for kind, default_base in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        p = params.get(kind) or {}
+        scaled = p.get("rope_type", p.get("type", "default")) != "default"
+        rope[kind] = (p.get("rope_theta", default_base), p if scaled else None)
+    return rope
+
+
+def gemma3_config(c: ModelConfig) -> ModelConfig:
+    """What Gemma 3 reads differently: windows per layer (``sliding_window`` is None, so that max_model_len is
+    not capped to the local layers' window), the global layers' RoPE, tied embeddings unless said otherwise."""
+    raw = c.raw
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("Gemma3ForCausalLM with use_bidirectional_attention=true (an embedding model) is not "
+                         "supported: attention here is causal")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma3ForCausalLM with hidden_activation {activation!r} is not supported "
+                         "(only gelu_pytorch_tanh)")
+    window = raw.get("sliding_window")
+    theta, scaling = gemma3_rope(raw)["full_attention"]
+    return dataclasses.replace(
+        c, layer_windows=tuple(window if t == "sliding_attention" else None for t in gemma3_layer_types(raw)),
+        sliding_window=None, rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", True))
+
+
+# ---- GGUF --------------------------------------------------------------------------------
+# llama.cpp hard-codes Gemma 3's layout rather than storing it: every 6th layer is global (unless the
+# file carries attention.sliding_window_pattern), local layers use rope base 10000, and the 27B
+# (62 layers) scales queries by hidden/heads, the others by head_dim.
+GGUF_PATTERN = 6
+GGUF_LOCAL_THETA = 10000.0
+
+
+def gemma3_gguf_config(cfg: dict, hp: dict) -> None:
+    p = hp["meta"]
+    n = hp["n_layer"]
+    local_theta = f32(p("rope.freq_base_swa", GGUF_LOCAL_THETA))
+    softcap = p("final_logit_softcapping", None)
+    full_rope = {"rope_type": "default", "rope_theta": hp["rope_theta"], **(hp["rope_scaling"] or {})}
+    pattern = p("attention.sliding_window_pattern", GGUF_PATTERN)
+    sliding = _sliding_layers(pattern, n)
+    del cfg["hidden_act"]  # Gemma's key is hidden_activation
+    cfg.update(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=hp["hidden"] // hp["n_head"] if n == 62 else hp["head_dim"],
+        sliding_window=int(p("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_base_freq=local_theta,
+        rope_scaling=hp["rope_scaling"],
+        rope_parameters={"full_attention": full_rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        final_logit_softcapping=None if softcap is None else f32(softcap),
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
+    if not isinstance(pattern, list):
+        cfg["sliding_window_pattern"] = int(pattern)  # the 4.x key published configs carry
+
+
+def _sliding_layers(pattern, n_layer: int) -> list[bool]:
+    # GGUF's sliding_window_pattern: an int n (every n-th layer global) or one bool per layer (true: sliding).
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
+        return [bool(x) for x in pattern]
+    return [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+
+
+register("Gemma3ForCausalLM", Gemma3ForCausalLM, config_hook=gemma3_config,
+         gguf=GgufSpec(("gemma3",), "gemma3_text",
+                       # Gemma's ffn_norm is the pre-feedforward norm; its post-attention norm has its own name.
+                       {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                        **ATTENTION, **QK_NORM, **DENSE_MLP},
+                       # Gemma 3 (4B and up) scales its global layers' rope linearly.
+                       norm_offset=1.0, rope_scalings=("linear",), config_hook=gemma3_gguf_config,
+                       end_of_turn="<end_of_turn>"))

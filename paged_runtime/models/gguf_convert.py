@@ -34,14 +34,13 @@ Contract
   ``generation_config.json`` (Gemma 3 and Phi-3 list their end-of-turn token
   beside eos, as their published generation configs do).
 
-Supported ``general.architecture`` -> HF class: "llama" ("mistral" as an alias)
--> LlamaForCausalLM, or MixtralForCausalLM when ``llama.expert_count`` > 0;
-"qwen2" -> Qwen2ForCausalLM; "qwen3" -> Qwen3ForCausalLM; "qwen3moe" ->
-Qwen3MoeForCausalLM; "gemma3" -> Gemma3ForCausalLM (text only; llama.cpp's
-fixed layout: every 6th layer global unless the file states
-``attention.sliding_window_pattern``, local rope base 10000); "phi3" ->
-Phi3ForCausalLM (fused ``qkv_proj``/``gate_up_proj`` kept fused, partial rotary,
-LongRoPE factors from ``rope_factors_long``/``_short`` into ``rope_scaling``).
+Which ``general.architecture`` converts to which HF class is the model
+registry's (``models/registry.py``): each family file registers a ``GgufSpec``
+(``models/gguf_spec.py``) naming the llama.cpp architectures it converts from,
+its tensor names, the conventions to undo and a hook for its own config.json
+keys. A name two families share ("llama", "mistral") goes to the one with
+experts when the file's ``<arch>.expert_count`` > 0 (Mixtral), else to the
+other (Llama). This module holds no per-family table.
 
 The folder is built in a temporary sibling directory and renamed into place,
 so a crash never leaves a half-written ``out_dir``; an existing ``out_dir`` is
@@ -53,80 +52,22 @@ supported ones), or tensors this converter does not know how to map.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
+
+from paged_runtime.models import registry
+from paged_runtime.models.gguf_spec import GgufSpec, f32
 
 __all__ = ["convert_gguf", "CONVERTER_VERSION", "SUPPORTED_GGUF_ARCHITECTURES"]
 
 # Bump when the output format changes so caches keyed on it get rebuilt.
 CONVERTER_VERSION = 3  # 3: the gguf/ block tensors
 
-# GGUF block tensor part -> HF module path under ``model.layers.{i}``.
-_ATTENTION = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-
-
-@dataclass(frozen=True)
-class _Arch:
-    hf_class: str
-    model_type: str
-    block: dict[str, str]  # GGUF part -> HF module path (one tensor each)
-    experts: dict[str, str] = field(default_factory=dict)  # stacked [E, ...] part -> path with {e}
-    permute_qk: bool = False  # llama.cpp only permutes q/k for llama-style models
-    qkv_bias: bool = False  # qwen2 carries q/k/v biases
-    norm_offset: float = 0.0  # Gemma: llama.cpp stores RMSNorm weights as 1 + w
-    config_tensors: tuple[str, ...] = ()  # GGUF tensors that go into config.json, not the weights
-
-
-_LLAMA = _Arch("LlamaForCausalLM", "llama", {**_NORMS, **_ATTENTION, **_DENSE_MLP}, permute_qk=True)
-_MIXTRAL = _Arch(
-    "MixtralForCausalLM", "mixtral", {**_NORMS, **_ATTENTION, "ffn_gate_inp": "block_sparse_moe.gate"},
-    experts={"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-             "ffn_up_exps": "block_sparse_moe.experts.{e}.w3"},
-    permute_qk=True,
-)
-_ARCHS = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", {**_NORMS, **_ATTENTION, **_DENSE_MLP}, qkv_bias=True),
-    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", {**_NORMS, **_ATTENTION, **_QK_NORM, **_DENSE_MLP}),
-    "qwen3moe": _Arch(
-        "Qwen3MoeForCausalLM", "qwen3_moe", {**_NORMS, **_ATTENTION, **_QK_NORM, "ffn_gate_inp": "mlp.gate"},
-        experts={"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
-                 "ffn_down_exps": "mlp.experts.{e}.down_proj"},
-    ),
-    "gemma3": _Arch(
-        "Gemma3ForCausalLM", "gemma3_text",
-        # Gemma's ffn_norm is the pre-feedforward norm; its post-attention norm has its own name.
-        {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-         **_ATTENTION, **_QK_NORM, **_DENSE_MLP},
-        norm_offset=1.0,
-    ),
-    "phi3": _Arch(
-        "Phi3ForCausalLM", "phi3",
-        # Phi-3 checkpoints are fused; llama.cpp keeps them fused (ffn_up holds [gate; up]).
-        {**_NORMS, "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-         "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
-        config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
-    ),
-}
-SUPPORTED_GGUF_ARCHITECTURES = tuple(sorted(_ARCHS))
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -197,27 +138,23 @@ def _field(reader, key: str, default=_MISSING):
     return field.contents()
 
 
-def _f32(x: float) -> float:
-    # GGUF stores float32; the shortest float32 repr gives back e.g. 1e-05
-    # instead of 9.999999747378752e-06.
-    return float(str(np.float32(x)))
-
-
 def _read_hparams(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHS:
+    candidates = registry.gguf_families(arch)
+    if not candidates:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_GGUF_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r}; supported: {list(registry.gguf_architectures())}"
         )
     p = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     n_expert = int(p("expert_count", 0))
-    # Mixtral is llama.cpp's "llama" with experts.
-    spec = _MIXTRAL if arch in ("llama", "mistral") and n_expert > 0 else _ARCHS[arch]
-    if bool(spec.experts) != (n_expert > 0):
+    family = _by_experts(candidates, n_expert)
+    if family is None:
         raise ValueError(f"GGUF architecture {arch!r} with expert_count {n_expert} is not supported")
+    spec = family.gguf
     hidden, n_head = int(p("embedding_length")), int(p("attention.head_count"))
     return {
         "arch": arch,
+        "hf_class": family.architecture,
         "spec": spec,
         "meta": p,
         "n_layer": int(p("block_count")),
@@ -226,8 +163,8 @@ def _read_hparams(reader) -> dict:
         "n_head": n_head,
         "n_head_kv": int(p("attention.head_count_kv", n_head)),
         "head_dim": int(p("attention.key_length", hidden // n_head)),
-        "eps": _f32(p("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(p("rope.freq_base", 10000.0)),
+        "eps": f32(p("attention.layer_norm_rms_epsilon")),
+        "rope_theta": f32(p("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(p, spec),
         "ctx": int(p("context_length", 2048)),
         "vocab": _vocab_size(reader),
@@ -236,19 +173,24 @@ def _read_hparams(reader) -> dict:
     }
 
 
-def _rope_scaling(p, spec: _Arch) -> dict | None:
+def _by_experts(candidates: tuple[registry.ModelFamily, ...], n_expert: int) -> registry.ModelFamily | None:
+    """The family with experts for a file with experts, the one without for one without (llama.cpp writes
+    Mixtral as "llama" with experts); None where the name's families have no such variant."""
+    return next((f for f in candidates if bool(f.gguf.experts) == (n_expert > 0)), None)
+
+
+def _rope_scaling(p, spec: GgufSpec) -> dict | None:
     kind = p("rope.scaling.type", "none")
     if kind in ("none", ""):
         return None
-    # Gemma 3 (4B and up) scales its global layers' rope linearly; llama.cpp writes that as "linear".
-    if kind == "linear" and spec.model_type == "gemma3_text":
-        return {"rope_type": "linear", "factor": _f32(p("rope.scaling.factor"))}
+    if kind in spec.rope_scalings:
+        return {"rope_type": kind, "factor": f32(p("rope.scaling.factor"))}
     raise ValueError(f"unsupported rope scaling {kind!r} in GGUF")
 
 
-def _config_tensors(reader, spec: _Arch) -> dict[str, list[float]]:
+def _config_tensors(reader, spec: GgufSpec) -> dict[str, list[float]]:
     # Small float32 vectors (Phi-3's LongRoPE factors) that belong in config.json.
-    return {t.name: [_f32(x) for x in np.asarray(t.data, np.float32).reshape(-1)]
+    return {t.name: [f32(x) for x in np.asarray(t.data, np.float32).reshape(-1)]
             for t in reader.tensors if t.name in spec.config_tensors}
 
 
@@ -369,7 +311,7 @@ def _special_ids(reader) -> dict:
 def _build_config(hp: dict, ids: dict, tied: bool) -> dict:
     spec = hp["spec"]
     cfg = {
-        "architectures": [spec.hf_class],
+        "architectures": [hp["hf_class"]],
         "model_type": spec.model_type,
         "vocab_size": hp["vocab"],
         "hidden_size": hp["hidden"],
@@ -397,127 +339,9 @@ def _build_config(hp: dict, ids: dict, tied: bool) -> dict:
         "initializer_range": 0.02,
         "use_cache": True,
     }
-    family = _FAMILY_CONFIG.get(spec.model_type)
-    if family is not None:
-        family(cfg, hp)
+    if spec.config_hook is not None:
+        spec.config_hook(cfg, hp)
     return cfg
-
-
-def _qwen3_config(cfg: dict, hp: dict) -> None:
-    cfg.update(sliding_window=None, max_window_layers=hp["n_layer"])
-
-
-def _qwen3_moe_config(cfg: dict, hp: dict) -> None:
-    p = hp["meta"]
-    _qwen3_config(cfg, hp)
-    cfg.update(
-        # Published Qwen3-MoE configs say num_experts; transformers 5 renamed it num_local_experts.
-        num_experts=hp["n_expert"],
-        num_local_experts=hp["n_expert"],
-        num_experts_per_tok=int(p("expert_used_count")),
-        moe_intermediate_size=int(p("expert_feed_forward_length")),
-        # llama.cpp always renormalises the top-k router weights for qwen3moe.
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        output_router_logits=False,
-        router_aux_loss_coef=0.001,
-    )
-
-
-def _mixtral_config(cfg: dict, hp: dict) -> None:
-    p = hp["meta"]
-    cfg.update(
-        num_local_experts=hp["n_expert"],
-        num_experts_per_tok=int(p("expert_used_count")),
-        sliding_window=None,
-        router_jitter_noise=0.0,
-        output_router_logits=False,
-        router_aux_loss_coef=0.02,
-    )
-
-
-# llama.cpp hard-codes Gemma 3's layout rather than storing it: every 6th layer is global (unless the
-# file carries attention.sliding_window_pattern), local layers use rope base 10000, and the 27B
-# (62 layers) scales queries by hidden/heads, the others by head_dim.
-_GEMMA3_PATTERN = 6
-_GEMMA3_LOCAL_THETA = 10000.0
-
-
-def _gemma3_config(cfg: dict, hp: dict) -> None:
-    p = hp["meta"]
-    n = hp["n_layer"]
-    local_theta = _f32(p("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
-    softcap = p("final_logit_softcapping", None)
-    full_rope = {"rope_type": "default", "rope_theta": hp["rope_theta"], **(hp["rope_scaling"] or {})}
-    pattern = p("attention.sliding_window_pattern", _GEMMA3_PATTERN)
-    sliding = _sliding_layers(pattern, n)
-    del cfg["hidden_act"]  # Gemma's key is hidden_activation
-    cfg.update(
-        hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=hp["hidden"] // hp["n_head"] if n == 62 else hp["head_dim"],
-        sliding_window=int(p("attention.sliding_window")),
-        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-        rope_local_base_freq=local_theta,
-        rope_scaling=hp["rope_scaling"],
-        rope_parameters={"full_attention": full_rope,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
-        final_logit_softcapping=None if softcap is None else _f32(softcap),
-        attn_logit_softcapping=None,
-        use_bidirectional_attention=False,
-    )
-    if not isinstance(pattern, list):
-        cfg["sliding_window_pattern"] = int(pattern)  # the 4.x key published configs carry
-
-
-def _sliding_layers(pattern, n_layer: int) -> list[bool]:
-    # GGUF's sliding_window_pattern: an int n (every n-th layer global) or one bool per layer (true: sliding).
-    if isinstance(pattern, list):
-        if len(pattern) != n_layer:
-            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
-        return [bool(x) for x in pattern]
-    return [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
-
-
-def _phi3_config(cfg: dict, hp: dict) -> None:
-    p = hp["meta"]
-    head_dim = hp["hidden"] // hp["n_head"]  # Phi-3 derives it; GGUF has no key_length here
-    partial = int(p("rope.dimension_count", head_dim)) / head_dim
-    original_ctx = int(p("rope.scaling.original_context_length", hp["ctx"]))
-    window = int(p("attention.sliding_window", 0))  # llama.cpp writes 0 for "no window"
-    cfg.update(head_dim=head_dim, partial_rotary_factor=partial, original_max_position_embeddings=original_ctx,
-               sliding_window=window or None, resid_pdrop=0.0, embd_pdrop=0.0)
-    cfg["rope_parameters"]["partial_rotary_factor"] = partial
-    factors = hp["config_tensors"]
-    if not factors:
-        return
-    if len(factors) != 2:
-        raise ValueError("GGUF phi3 has one of rope_factors_long/rope_factors_short but not both")
-    scaling = {"type": "longrope", "rope_type": "longrope",
-               "long_factor": factors["rope_factors_long.weight"],
-               "short_factor": factors["rope_factors_short.weight"]}
-    attn_factor = p("rope.scaling.attn_factor", None)
-    if attn_factor is not None and not math.isclose(attn_factor, _longrope_attention(hp["ctx"], original_ctx),
-                                                    rel_tol=1e-6):
-        scaling["attention_factor"] = _f32(attn_factor)  # only when it is not the one HF derives
-    cfg["rope_scaling"] = scaling
-    cfg["rope_parameters"] = {**scaling, "rope_theta": hp["rope_theta"], "partial_rotary_factor": partial,
-                              "original_max_position_embeddings": original_ctx}
-
-
-def _longrope_attention(ctx: int, original_ctx: int) -> float:
-    # The cos/sin scale HF (and llama.cpp's converter) derive for LongRoPE.
-    scale = ctx / original_ctx
-    return math.sqrt(1 + math.log(scale) / math.log(original_ctx)) if scale > 1.0 else 1.0
-
-
-_FAMILY_CONFIG: dict[str, Callable[[dict, dict], None]] = {
-    "qwen3": _qwen3_config,
-    "qwen3_moe": _qwen3_moe_config,
-    "mixtral": _mixtral_config,
-    "gemma3_text": _gemma3_config,
-    "phi3": _phi3_config,
-}
 
 
 def _generation_config(ids: dict, end_of_turn: int | None) -> dict:
@@ -531,13 +355,8 @@ def _generation_config(ids: dict, end_of_turn: int | None) -> dict:
     }
 
 
-# Chat turns of these families end with a token that is not the GGUF's eos; their published
-# generation_config.json lists both (llama.cpp stops on it by its text).
-_END_OF_TURN = {"gemma3_text": "<end_of_turn>", "phi3": "<|end|>"}
-
-
-def _end_of_turn_id(reader, spec: _Arch) -> int | None:
-    text = _END_OF_TURN.get(spec.model_type)
+def _end_of_turn_id(reader, spec: GgufSpec) -> int | None:
+    text = spec.end_of_turn
     tokens = _field(reader, "tokenizer.ggml.tokens", None) if text else None
     return tokens.index(text) if tokens and text in tokens else None
 

@@ -11,6 +11,8 @@ their hooks (``project_qkv``, ``attention_class``, ``make_mlp``, ``decoder_layer
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from torch import nn
@@ -24,7 +26,9 @@ from paged_runtime.layers.ops import TorchOps
 from paged_runtime.layers.pipeline import WHOLE, MissingLayer, PipelineStage
 from paged_runtime.layers.rotary import RotaryEmbedding
 from paged_runtime.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.config import ModelConfig, every_layer_slides, windows_from_types
+from paged_runtime.models.gguf_spec import ATTENTION, DENSE_MLP, NORMS, GgufSpec
+from paged_runtime.models.registry import register
 
 
 class LlamaAttention(nn.Module):
@@ -250,3 +254,30 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+
+
+# ---- the families this class computes ------------------------------------------------------
+def llama_config(c: ModelConfig) -> ModelConfig:
+    """Hugging Face's Llama attends to everything, whatever its ``sliding_window`` or ``layer_types``."""
+    return dataclasses.replace(c, layer_windows=())
+
+
+def qwen2_config(c: ModelConfig) -> ModelConfig:
+    """Qwen2: q/k/v biases unless said otherwise; ``sliding_window`` only under ``use_sliding_window``, on the
+    layers ``layer_types`` marks, or else (its config's default types) on layers i >= ``max_window_layers``."""
+    raw = c.raw
+    sliding = c.sliding_window if raw.get("use_sliding_window", False) else None
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(c.num_layers)]
+    return dataclasses.replace(c, sliding_window=sliding, layer_windows=windows_from_types(types, sliding),
+                               attention_bias=raw.get("attention_bias", True))
+
+
+register("LlamaForCausalLM", LlamaForCausalLM, config_hook=llama_config,
+         # llama.cpp's "mistral" is the same layout; with experts, both are Mixtral (models/mixtral.py).
+         gguf=GgufSpec(("llama", "mistral"), "llama", {**NORMS, **ATTENTION, **DENSE_MLP}, permute_qk=True))
+register("MistralForCausalLM", LlamaForCausalLM, config_hook=every_layer_slides)
+register("Qwen2ForCausalLM", LlamaForCausalLM, config_hook=qwen2_config,
+         gguf=GgufSpec(("qwen2",), "qwen2", {**NORMS, **ATTENTION, **DENSE_MLP}, qkv_bias=True))

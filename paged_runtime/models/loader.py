@@ -14,14 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from paged_runtime.models import registry
 from paged_runtime.models.config import ModelConfig
-from paged_runtime.models.gemma3 import Gemma3ForCausalLM
 from paged_runtime.models.llama import LlamaForCausalLM
-from paged_runtime.models.mixtral import MixtralForCausalLM
-from paged_runtime.models.olmoe import OlmoeForCausalLM
-from paged_runtime.models.phi3 import Phi3ForCausalLM
-from paged_runtime.models.qwen3 import Qwen3ForCausalLM
-from paged_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.moe import FusedMoE
 from paged_runtime.layers.ops import TorchOps
@@ -32,18 +27,6 @@ from paged_runtime.utils.cpu import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
-# config.json "architectures" -> the model that computes it (config.SUPPORTED_ARCHITECTURES lists the same names)
-MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
-                 "Gemma3ForCausalLM": Gemma3ForCausalLM,
-                 "MixtralForCausalLM": MixtralForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-                 "OlmoeForCausalLM": OlmoeForCausalLM,
-                 "Phi3ForCausalLM": Phi3ForCausalLM}
-# Families whose pre-quantized checkpoints are refused, and why: experts load through FusedMoE, which has no
-# quantized method; Phi-3 splits its fused checkpoint tensors by rows, which packed layouts do not have.
-NOT_PREQUANTIZED = {"MixtralForCausalLM": "mixture of experts", "Qwen3MoeForCausalLM": "mixture of experts",
-                    "OlmoeForCausalLM": "mixture of experts",
-                    "Phi3ForCausalLM": "its q/k/v and gate/up come fused in the checkpoint"}
 
 
 def resolve_model_path(model: str | None, cache_dir: str | Path | None = None) -> Path:
@@ -86,7 +69,8 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
     ops = ops or TorchOps()
     quantization = resolve_quantization(quantization, folder, config)
     method = linear_method(quantization, ops, config.raw.get("quantization_config"), kernels)
-    model = MODEL_CLASSES[config.architecture](config, max_len, dtype, device, ops, tp, stage, method=method)
+    model_class = registry.family(config.architecture).model_class
+    model = model_class(config, max_len, dtype, device, ops, tp, stage, method=method)
     quantized = is_quantized(quantization)
     if quantized and any(isinstance(m, FusedMoE) for m in model.modules()):
         logger.info("--quantization %s: the MoE experts stay unquantized (%s)", quantization, config.architecture)
@@ -144,11 +128,18 @@ def resolve_quantization(asked: str | None, folder: Path, config: ModelConfig) -
                          f"unset or ask for {own!r}{dequantize}")
     if own == "gguf":
         _check_gguf_types(folder)
-    elif config.architecture in NOT_PREQUANTIZED:
-        raise ValueError(f"pre-quantized {own} checkpoints of {config.architecture} are not supported "
-                         f"({NOT_PREQUANTIZED[config.architecture]}); supported: "
-                         + ", ".join(sorted(set(MODEL_CLASSES) - set(NOT_PREQUANTIZED))))
+    else:
+        _check_prequantized(own, config.architecture)
     return own
+
+
+def _check_prequantized(quant_method: str, architecture: str) -> None:
+    """ValueError where the family refuses pre-quantized checkpoints (saying why and which families load them)."""
+    why = registry.family(architecture).not_prequantized
+    if why is not None:
+        loadable = sorted(f.architecture for f in registry.families() if f.not_prequantized is None)
+        raise ValueError(f"pre-quantized {quant_method} checkpoints of {architecture} are not supported ({why}); "
+                         f"supported: {', '.join(loadable)}")
 
 
 def _check_gguf_types(folder: Path) -> None:

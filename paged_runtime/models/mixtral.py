@@ -22,13 +22,18 @@ import torch
 
 from paged_runtime.layers.linear import UnquantizedLinearMethod
 from paged_runtime.layers.moe import FusedMoE, SparseMoeBlock
-from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.config import ModelConfig, every_layer_slides
+from paged_runtime.models.gguf_spec import ATTENTION, NORMS, GgufSpec
 from paged_runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from paged_runtime.models.registry import register
 
 # Checkpoint name (after "model." and Mixtral's block_sparse_moe -> mlp) -> (experts module, expert, matrix)
 PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 STACKED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 SHARD_IDS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+# Why the expert families refuse pre-quantized checkpoints: experts load through FusedMoE, which has no
+# quantized method.
+EXPERTS_REFUSED = "mixture of experts"
 
 
 @dataclass(frozen=True)
@@ -110,3 +115,26 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 names -= {f"{path}.w13_weight", f"{path}.w2_weight"}
                 names |= {f"{path}.{shard}" for shard in module.checkpoint_shards()}
         return names
+
+
+def mixtral_gguf_config(cfg: dict, hp: dict) -> None:
+    p = hp["meta"]
+    cfg.update(
+        num_local_experts=hp["n_expert"],
+        num_experts_per_tok=int(p("expert_used_count")),
+        sliding_window=None,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        router_aux_loss_coef=0.02,
+    )
+
+
+# Every layer slides (when sliding_window is set), as Mistral's. llama.cpp writes Mixtral as "llama" (or
+# "mistral") with experts: the converter tells it from Llama by expert_count.
+register("MixtralForCausalLM", MixtralForCausalLM, config_hook=every_layer_slides, not_prequantized=EXPERTS_REFUSED,
+         gguf=GgufSpec(("llama", "mistral"), "mixtral",
+                       {**NORMS, **ATTENTION, "ffn_gate_inp": "block_sparse_moe.gate"},
+                       experts={"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                                "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+                                "ffn_up_exps": "block_sparse_moe.experts.{e}.w3"},
+                       permute_qk=True, config_hook=mixtral_gguf_config))

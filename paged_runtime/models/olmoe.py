@@ -10,7 +10,8 @@ import torch
 from paged_runtime.layers.linear import RowParallelLinear
 from paged_runtime.layers.norm import RMSNorm
 from paged_runtime.models.llama import LlamaAttention, LlamaDecoderLayer
-from paged_runtime.models.mixtral import ExpertsConfig, MixtralForCausalLM, sparse_moe_block
+from paged_runtime.models.mixtral import EXPERTS_REFUSED, ExpertsConfig, MixtralForCausalLM, sparse_moe_block
+from paged_runtime.models.registry import register
 
 
 class OlmoeAttention(LlamaAttention):
@@ -43,3 +44,7 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
 class OlmoeForCausalLM(MixtralForCausalLM):
     decoder_layer_class = OlmoeDecoderLayer
     one_op_layer = False  # q/k norms and experts: ops.decoder_layer has neither
+
+
+# The generic config.json reading is OLMoE's; no GGUF file converts to it.
+register("OlmoeForCausalLM", OlmoeForCausalLM, not_prequantized=EXPERTS_REFUSED)

@@ -6,10 +6,15 @@ so Qwen3 always runs op by op.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from paged_runtime.layers.norm import RMSNorm
+from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.gguf_spec import ATTENTION, DENSE_MLP, NORMS, QK_NORM, GgufSpec
 from paged_runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from paged_runtime.models.registry import register
 
 
 class Qwen3Attention(LlamaAttention):
@@ -35,3 +40,21 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Qwen3DecoderLayer
     one_op_layer = False  # ops.decoder_layer would skip the q/k norms
+
+
+def qwen3_config(c: ModelConfig) -> ModelConfig:
+    """Full context on every layer; ``use_sliding_window`` is refused (Qwen3 would slide only its layers past
+    ``max_window_layers``, and attention here is the same on every layer)."""
+    if c.raw.get("use_sliding_window", False):
+        raise ValueError("Qwen3ForCausalLM with use_sliding_window=true is not supported: attention here is "
+                         "full-context on every layer (set use_sliding_window to false in config.json)")
+    return dataclasses.replace(c, sliding_window=None, layer_windows=())
+
+
+def qwen3_gguf_config(cfg: dict, hp: dict) -> None:
+    cfg.update(sliding_window=None, max_window_layers=hp["n_layer"])
+
+
+register("Qwen3ForCausalLM", Qwen3ForCausalLM, config_hook=qwen3_config,
+         gguf=GgufSpec(("qwen3",), "qwen3", {**NORMS, **ATTENTION, **QK_NORM, **DENSE_MLP},
+                       config_hook=qwen3_gguf_config))

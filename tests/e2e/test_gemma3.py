@@ -18,7 +18,8 @@ from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
-from paged_runtime.models.config import ModelConfig, gemma3_rope
+from paged_runtime.models.config import ModelConfig
+from paged_runtime.models.gemma3 import gemma3_rope
 
 HEAD_DIM, NUM_KV_HEADS, WINDOW = 32, 2, 20
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]

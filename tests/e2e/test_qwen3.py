@@ -19,7 +19,7 @@ from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
-from paged_runtime.models.config import SUPPORTED_ARCHITECTURES
+from paged_runtime.models import registry
 
 HEAD_DIM, NUM_LAYERS, NUM_KV_HEADS = 32, 2, 2
 BYTES_PER_BLOCK = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4 * 16  # K and V, fp32, 16 tokens
@@ -118,7 +118,7 @@ def test_qwen3_with_sliding_window_is_refused_at_start_up(tiny_qwen3_dir, tmp_pa
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tiny_qwen3_dir, tmp_path):
     folder = tmp_path / "gpt2"
     write_config(tiny_qwen3_dir, folder, architectures=["GPT2LMHeadModel"])
-    assert "Qwen3ForCausalLM" in SUPPORTED_ARCHITECTURES
+    assert "Qwen3ForCausalLM" in registry.architectures()
     with pytest.raises(ValueError) as info:
         make_llm(folder, max_model_len=128)
     assert str(info.value) == ("unsupported architecture 'GPT2LMHeadModel'; supported: "

@@ -27,7 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from paged_runtime.models.gguf_convert import SUPPORTED_GGUF_ARCHITECTURES, convert_gguf  # noqa: E402
+from paged_runtime.models import registry  # noqa: E402
+from paged_runtime.models.gguf_convert import convert_gguf  # noqa: E402
 
 END_OF_TURN = ["<end_of_turn>", "<|end|>"]  # Gemma's and Phi-3's, at ids 349 and 350
 VOCAB = 3 + 256 + 90 + 2  # _byte_level_vocab()
@@ -364,7 +365,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     assert "unsupported GGUF architecture 'olmoe'" in str(err.value)
     for arch in ("gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe"):
         assert repr(arch) in str(err.value)
-    assert set(SUPPORTED_GGUF_ARCHITECTURES) == {"gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3moe"}
+    assert set(registry.gguf_architectures()) == {"gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3moe"}
 
 
 # --------------------------------------------------------------------------- the runtime on a converted GGUF

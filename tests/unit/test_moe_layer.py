@@ -215,9 +215,9 @@ PUBLISHED = {
 ])
 def test_published_moe_configs_build_their_experts(name, experts, w13, top_k, renormalize, fp32_weights):
     from paged_runtime.models.config import ModelConfig
-    from paged_runtime.models.loader import MODEL_CLASSES
+    from paged_runtime.models import registry
     c = ModelConfig.from_dict({**PUBLISHED[name], "num_hidden_layers": 2, "max_position_embeddings": 4096})
-    model = MODEL_CLASSES[c.architecture](c, 4096, torch.bfloat16, torch.device("meta"))
+    model = registry.family(c.architecture).model_class(c, 4096, torch.bfloat16, torch.device("meta"))
     moe = model.layers[1].mlp.experts
     assert (moe.num_experts, tuple(moe.w13_weight.shape), moe.top_k) == (experts, w13, top_k)
     assert (moe.renormalize, moe.fp32_routing_weights, model.fusable) == (renormalize, fp32_weights, False)
