@@ -96,3 +96,16 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def count_decode_steps(monkeypatch) -> list[tuple[int, int]]:
+    """Record each compiled CPU decode step (``kernels.cpu.DecodeStack``) as (layers, rows) while the test runs:
+    the steps that ran every decoder layer in one call."""
+    from paged_runtime.kernels import cpu
+    calls, run = [], cpu.cpu_decode_stack
+
+    def counted(x, residual, stack, num_layers, *args):
+        calls.append((num_layers, x.shape[0]))
+        return run(x, residual, stack, num_layers, *args)
+    monkeypatch.setattr(cpu, "cpu_decode_stack", counted)
+    return calls

@@ -29,7 +29,7 @@ BACKENDS = tuple(BUILDERS)
 
 class AttentionMetadata(Protocol):
     """A step's attention metadata, built by the runner for one backend."""
-    rows_only: bool  # only one-token query rows, for the CPU op set's one-op decoder layer
+    rows_only: bool  # only one-token query rows: the runner's compiled CPU decode step may run the layers
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                window: int | None = None, softcap: float | None = None,

@@ -14,9 +14,9 @@ call per chunk and layer dominated a prefill of many short prompts; past it SDPA
 blocked products win (1.4x at 128 queries over 1,024 keys, 2.7x on a whole
 2,048-token prompt), so larger chunks run as in the torch backend.
 
-A step of rows only (no prompt chunk) is ``rows_only``: the CPU op set may then run
-each decoder layer as one op, which reads ``decode_rows``, ``positions`` and
-``slot_mapping`` from here.
+A step of rows only (no prompt chunk) is ``rows_only``: the runner's compiled decode
+step (``worker/cpu_decode_plan.py``) may then run every decoder layer in one call,
+reading ``decode_rows`` and ``slot_mapping`` from here.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def build_metadata(batch: StepBatch, device: torch.device) -> CpuAttentionMetada
                                      to(batch.positions[rows] + 1), batch.block_size))
         else:
             chunks += [prefill_chunk(batch, i, to) for i in range(first, end)]
-    rows_only = num_rows == batch.num_items  # no prompt chunk: the one-op layer
+    rows_only = num_rows == batch.num_items  # no prompt chunk: the compiled decode step may take it
     return CpuAttentionMetadata(to(batch.slot_mapping), groups, chunks, to(batch.positions),
                                 groups[0] if rows_only else None, rows_only, batch.block_size)
 

@@ -126,7 +126,7 @@ class AttentionMetadata:
     # and ``attend``: the CPU kernel backend adds its own).
     decodes: list
     prefills: list[PrefillChunk]
-    rows_only = False  # the CPU kernel backend's flag for its one-op decoder layer; never here
+    rows_only = False  # the CPU kernel backend's flag for the compiled decode step; never here
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                window: int | None = None, softcap: float | None = None,

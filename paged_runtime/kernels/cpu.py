@@ -95,7 +95,7 @@ class _Paged(ctypes.Structure):
                 ("softcap", _f32), ("kv_dt", _int), ("kv_scale", _ptr)]
 
 
-PLAIN = -1  # a fused layer's part in the model dtype (cpu_ops.c's PLAIN); others are GGUF type ids
+PLAIN = -1  # a decode-stack matrix part in the model dtype (cpu_ops.c's PLAIN); others are GGUF type ids
 MAX_PARTS = 3  # parts of one fused-layer matrix (q | k | v); the struct sizes below are checked against the C
 
 
@@ -107,18 +107,26 @@ class _Matrix(ctypes.Structure):
     _fields_ = [("part", _Part * MAX_PARTS), ("parts", _i64)]
 
 
+class _Norm(ctypes.Structure):
+    _fields_ = [("weight", _ptr), ("kind", _i64)]
+
+
+NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")  # LayerWeights' order
+MATRICES = ("qkv", "o", "gate_up", "down")
+
+
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("qkv_bias", _ptr), ("post_norm", _ptr), ("qkv", _Matrix), ("o", _Matrix),
-                ("gate_up", _Matrix), ("down", _Matrix), ("hidden", _i64), ("intermediate", _i64), ("eps", _f32)]
+    _fields_ = ([(name, _Norm) for name in NORMS] + [("qkv_bias", _ptr)] + [(name, _Matrix) for name in MATRICES]
+                + [("hidden", _i64), ("intermediate", _i64), ("activation", _i64), ("eps", _f32)])
 
 
 class _DecodeStep(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("positions", _ptr), ("slots", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("paged", _Paged)]
+    _fields_ = [("rows", _i64), ("positions", _ptr), ("slots", _ptr), ("paged", _Paged)]
 
 
 class _StackLayer(ctypes.Structure):
-    _fields_ = [("weights", ctypes.POINTER(_LayerWeights)), ("kv_cache", _ptr), ("kv_scale", _ptr), ("window", _i64)]
+    _fields_ = [("weights", ctypes.POINTER(_LayerWeights)), ("kv_cache", _ptr), ("kv_scale", _ptr), ("window", _i64),
+                ("scale", _f32), ("softcap", _f32), ("cos", _ptr), ("sin", _ptr), ("rot", _i64)]
 
 
 _ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged, 4: _StackLayer}  # pr_abi(i) must equal sizeof these
@@ -129,6 +137,7 @@ class _Loaded:
     lib: ctypes.CDLL | None = None
     max_rows: int = 0
     gguf_x8: int = 0
+    kinds: dict[str, int] = {}
 
 
 # ---- build and load --------------------------------------------------------------------------------
@@ -329,7 +338,7 @@ def loaded() -> bool:
 
 
 def max_rows() -> int:
-    """Most rows ``cpu_linear`` and ``cpu_decode_layer`` take in one call (MAX_ROWS in the C file)."""
+    """Most rows ``cpu_linear`` and ``DecodeStack.run`` take in one call (MAX_ROWS in the C file)."""
     return _Loaded.max_rows
 
 
@@ -449,132 +458,109 @@ def _kv_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[int
     return kv_dt, _p(kv_scale) if kv_dt else None
 
 
-def _checked_layer(weights: list[torch.Tensor | None], layout: list[int], dtype: torch.dtype, heads: int,
-                   dim: int, eps: float) -> _LayerWeights:
-    """The struct of one layer's weights (see ``cpu_decode_layer``), checked."""
-    norms, parts = weights[:3], weights[3:]
-    if any(w is not None and not w.is_contiguous() for w in norms):
-        raise ValueError("cpu_decode_layer needs contiguous weights")
-    counts = layout[:4]
-    hidden = sum(w.shape[0] for w in parts[counts[0]:counts[0] + counts[1]])
-    intermediate = sum(w.shape[0] for w in parts[sum(counts[:2]):sum(counts[:3])]) // 2
-    matrices = _layer_matrices(parts, layout, dtype, (hidden, heads * dim, hidden, intermediate))
-
-    def matrix(parts):
-        return _Matrix((_Part * MAX_PARTS)(*(_Part(*part) for part in parts)), len(parts))
-    return _LayerWeights(*map(_p, norms), *map(matrix, matrices), hidden, intermediate, eps)
+def _kinds() -> dict[str, int]:
+    """The C file's ids of a Gemma norm and of GeGLU (Llama's RMSNorm and SwiGLU are 0), read from it once."""
+    if not _Loaded.kinds:
+        _Loaded.kinds = {"unit_offset": int(_lib().pr_abi(5)), "gelu_tanh": int(_lib().pr_abi(6))}
+    return _Loaded.kinds
 
 
-def _layer_matrices(weights: list[torch.Tensor], layout: list[int], dtype: torch.dtype,
-                    inputs: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """(pointer, rows, type) of each part of qkv, o, gate_up and down (``inputs``: their K), checked."""
-    counts, types = layout[:4], layout[4:]
-    if len(counts) != 4 or not all(1 <= c <= MAX_PARTS for c in counts) or sum(counts) != len(types)\
-            or len(types) != len(weights):
-        raise ValueError(f"cpu_decode_layer's layout {layout} does not describe {len(weights)} weight parts")
-    matrices, at = [], 0
-    for count, k in zip(counts, inputs):
-        parts = []
-        for weight, qtype in zip(weights[at:at + count], types[at:at + count]):
-            if qtype == PLAIN:
-                if weight.dtype != dtype or weight.shape[-1] != k or not weight.is_contiguous():
-                    raise ValueError(f"a plain part must be a contiguous {dtype} [N, {k}] tensor")
-            else:
-                _gguf_weight(weight, qtype, k)
-            parts.append((weight.data_ptr(), weight.shape[0], qtype))
-        matrices.append(tuple(parts))
-        at += count
-    return tuple(matrices)
+def _matrix(matrix, dtype: torch.dtype, k: int) -> _Matrix:
+    """A description's matrix (``parts``: (tensor, type) stacked by output rows) as the C struct, checked: PLAIN
+    parts contiguous [rows, k] in the model dtype, GGUF ones their blocks of k inputs."""
+    if not 1 <= len(matrix.parts) <= MAX_PARTS:
+        raise ValueError(f"a decode-stack matrix has 1..{MAX_PARTS} parts, not {len(matrix.parts)}")
+    parts = []
+    for weight, qtype in matrix.parts:
+        if qtype == PLAIN:
+            if weight.dtype != dtype or weight.shape[-1] != k or not weight.is_contiguous():
+                raise ValueError(f"a plain part must be a contiguous {dtype} [N, {k}] tensor")
+        else:
+            _gguf_weight(weight, qtype, k)
+        parts.append(_Part(weight.data_ptr(), weight.shape[0], qtype))
+    return _Matrix((_Part * MAX_PARTS)(*parts), len(parts))
 
 
-@functools.lru_cache(maxsize=4)
-def _step_struct(pointers: tuple[int, ...], rows: int, table_stride: int, block_size: int, heads: int,
-                 kv_heads: int, dim: int, scale: float, window: int, softcap: float, kv_dt: int = 0,
-                 kv_scale: int | None = None) -> _DecodeStep:
-    positions, slots, cos, sin, block_tables, context_lens = pointers
-    paged = _Paged(block_tables, context_lens, table_stride, block_size, heads, kv_heads, dim, window, scale,
-                   softcap, kv_dt, kv_scale)
-    return _DecodeStep(rows, positions, slots, cos, sin, paged)
+def _norm(norm, dtype: torch.dtype, width: int) -> _Norm:
+    if norm is None:
+        return _Norm(None, 0)
+    if norm.weight.dtype != dtype or norm.weight.shape != (width,) or not norm.weight.is_contiguous():
+        raise ValueError(f"a decode-stack norm's weight must be a contiguous {dtype} [{width}] tensor")
+    return _Norm(norm.weight.data_ptr(), _kinds()["unit_offset"] if norm.unit_offset else 0)
 
 
-_STACKS: dict[tuple, ctypes.Array] = {}  # built layer stacks by what they point to (see _stack)
+def _layer_weights(d, dtype: torch.dtype) -> _LayerWeights:
+    """One layer description (``layers/decode_plan.LayerDescription``) as the C struct, checked."""
+    hidden, q_size = d.attn_norm.weight.shape[0], d.heads * d.head_dim
+    intermediate = sum(w.shape[0] for w, _ in d.gate_up.parts) // 2
+    widths = {"attn_norm": hidden, "q_norm": d.head_dim, "k_norm": d.head_dim, "attn_out_norm": hidden,
+              "mlp_norm": hidden, "mlp_out_norm": hidden}
+    norms = [_norm(getattr(d, name), dtype, widths[name]) for name in NORMS]
+    inputs = {"qkv": hidden, "o": q_size, "gate_up": hidden, "down": intermediate}
+    matrices = [_matrix(getattr(d, name), dtype, inputs[name]) for name in MATRICES]
+    bias = d.qkv.bias
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        raise ValueError(f"the qkv bias must be a contiguous {dtype} tensor")
+    activation = _kinds()["gelu_tanh"] if d.activation == "gelu_tanh" else 0
+    return _LayerWeights(*norms, _p(bias), *matrices, hidden, intermediate, activation, d.eps)
 
 
-def _stack(kv_caches: list[torch.Tensor], weights: list[torch.Tensor | None], layout: list[int],
-           windows: list[int], kv_scales: list[torch.Tensor], dtype: torch.dtype, heads: int, eps: float):
-    """The StackLayer array of one step's layers, checked and built once per model and cache: a step looks it
-    up by the tensors' addresses (~60 us for 30 layers, where an op a layer cost ~55 us each in dispatch
-    alone). A model's weights and caches live as long as it does, so the same addresses (with the same
-    layout, sizes and dtype) are the same layers."""
-    first_layer = weights[:3 + sum(layout[:4])]  # its sizes in the key too: the rest cost ~140 us to read
-    key = (tuple(map(_p, weights)), tuple(layout), tuple(map(_p, kv_caches)), tuple(map(_p, kv_scales)),
-           tuple(windows), dtype, heads, eps, kv_caches[0].shape, tuple(w.shape for w in first_layer if w is not None))
-    stack = _STACKS.get(key)
-    if stack is not None:
-        return stack
-    if len(windows) != len(kv_caches) or (kv_scales and len(kv_scales) != len(kv_caches)):
-        raise ValueError("cpu_decode_layers takes one window (and one kv_scale with an 8-bit cache) a layer")
-    layers, at, w_at = [], 0, 0
-    for i, kv_cache in enumerate(kv_caches):
-        parts = sum(layout[at:at + 4])
-        layer_weights, layer_layout = weights[w_at:w_at + 3 + parts], layout[at:at + 4 + parts]
-        struct = _checked_layer(layer_weights, layer_layout, dtype, heads, kv_cache.shape[-1], eps)
-        layers.append(_StackLayer(ctypes.pointer(struct), _p(kv_cache), _p(kv_scales[i]) if kv_scales else None,
-                                  windows[i]))
-        at, w_at = at + 4 + parts, w_at + 3 + parts
-    if at != len(layout) or w_at != len(weights):
-        raise ValueError(f"cpu_decode_layers' layout {layout} does not describe {len(weights)} weights")
-    if len(_STACKS) >= 256:  # models come and go in one process (tests): forget the old ones
-        _STACKS.clear()
-    stack = _STACKS[key] = (_StackLayer * len(layers))(*layers)
-    return stack
+def _stack_layer(d, weights: _LayerWeights) -> _StackLayer:
+    if d.cos.dtype != torch.float32 or not (d.cos.is_contiguous() and d.sin.is_contiguous()) \
+            or d.cos.shape[-1] != d.rot:
+        raise ValueError(f"a layer's RoPE tables must be contiguous float32 [positions, {d.rot}]")
+    _kv_args(d.kv_cache, d.kv_scale)  # an 8-bit cache comes with its scales
+    return _StackLayer(ctypes.pointer(weights), _p(d.kv_cache), _p(d.kv_scale), d.window or 0, d.scale,
+                       d.softcap or 0., _p(d.cos), _p(d.sin), d.rot)
 
 
-@_op("cpu_decode_layers(Tensor(a!) x, Tensor(b!) residual, Tensor(c!)[] kv_caches, Tensor?[] weights, "
-     "int[] layout, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor cos, "
-     "Tensor sin, int block_size, int heads, float scale, float eps, int[] windows, Tensor(d!)[] kv_scales, "
-     "float softcap=0.) -> ()",
+class DecodeStack:
+    """A model's decoder layers as one C call runs them, built once from their descriptions
+    (``layers/decode_plan.LayerDescription``, read by attribute: kernels import no layer): the StackLayer
+    array, and every tensor it points into held here, so the array stays valid as long as this object.
+    Weights and caches must not move after it is built (a model's never do; the runner allocates its caches
+    once)."""
+
+    def __init__(self, layers: list, dtype: torch.dtype) -> None:
+        first = layers[0]
+        if any((d.heads, d.kv_heads, d.head_dim) != (first.heads, first.kv_heads, first.head_dim) for d in layers):
+            raise ValueError("a decode stack's layers share their head counts and head size")
+        self.dtype, self.heads, self.kv_heads, self.dim = dtype, first.heads, first.kv_heads, first.head_dim
+        self.kv_dt = KV_DTYPES.get(first.kv_cache.dtype, 0)
+        self.layers = layers  # keeps every tensor the array points into alive
+        self.weights = [_layer_weights(d, dtype) for d in layers]
+        self.array = (_StackLayer * len(layers))(*(_stack_layer(d, w) for d, w in zip(layers, self.weights)))
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> None:
+        """The layers over a step of at most max_rows() one-token query rows, in one call (one thread team): each
+        stores its K/V in its cache, x (the first layer's input) becomes the last layer's output and residual is
+        advanced (zeros before the first layer). ``positions``: the rows of the RoPE tables."""
+        if x.dtype != self.dtype:
+            raise ValueError(f"this decode stack computes in {self.dtype}, not {x.dtype}")
+        cpu_decode_stack(x, residual, ctypes.addressof(self.array), len(self.layers), positions, slots, block_tables,
+                         context_lens, block_size, self.heads, self.kv_heads, self.dim, self.kv_dt)
+
+
+@_op("cpu_decode_stack(Tensor(a!) x, Tensor(b!) residual, int stack, int num_layers, Tensor positions, "
+     "Tensor slots, Tensor block_tables, Tensor context_lens, int block_size, int heads, int kv_heads, int dim, "
+     "int kv_dt) -> ()",
      lambda *args, **kwargs: None)
-def cpu_decode_layers(x: torch.Tensor, residual: torch.Tensor, kv_caches: list[torch.Tensor],
-                      weights: list[torch.Tensor | None], layout: list[int], positions: torch.Tensor,
-                      slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, block_size: int, heads: int, scale: float, eps: float,
-                      windows: list[int], kv_scales: list[torch.Tensor], softcap: float = 0.) -> None:
-    """A decode step's Llama decoder layers, in turn, for up to max_rows() one-token query rows, in one call
-    (one thread team for all of them): each stores its K/V in its cache, x (the first layer's input)
-    becomes the last layer's output and residual is advanced (zeros before the first layer).
-    ``windows`` / ``softcap`` / ``kv_scales``: each layer's attention, as in ``cpu_paged_decode_attention``
-    (an 8-bit cache's K/V quantized on store, one scales tensor a layer; none for a model-dtype cache).
-
-    ``weights`` / ``layout``: each layer's in turn, as ``cpu_decode_layer`` takes one layer's. Index tensors
-    int64 and cos / sin float32, contiguous (checked: the C code reads them raw)."""
+def cpu_decode_stack(x: torch.Tensor, residual: torch.Tensor, stack: int, num_layers: int, positions: torch.Tensor,
+                     slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                     heads: int, kv_heads: int, dim: int, kv_dt: int) -> None:
+    """``DecodeStack.run``'s call: ``stack`` is the address of a live DecodeStack's array of ``num_layers``
+    layers (its K/V caches are written through it). Index tensors int64, contiguous (checked: the C code reads
+    them raw)."""
     index = (positions, slots, block_tables, context_lens)
-    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index) or cos.dtype != torch.float32:
-        raise ValueError("cpu_decode_layers takes contiguous int64 indices and float32 cos/sin tables")
-    kv_cache = kv_caches[0]
-    _, _, kv_heads, dim = kv_cache.shape
-    stack = _stack(kv_caches, weights, layout, windows, kv_scales, x.dtype, heads, eps)
-    step = _step_struct((_p(positions), _p(slots), _p(cos), _p(sin), _p(block_tables), _p(context_lens)),
-                        positions.shape[0], block_tables.stride(0), block_size, heads, kv_heads, dim, scale,
-                        0, softcap, *_kv_args(kv_cache, kv_scales[0] if kv_scales else None))
-    rc = _lib().pr_decode_layers(stack, len(stack), ctypes.byref(step), _p(x), _p(residual), DTYPES[x.dtype])
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+        raise ValueError("cpu_decode_stack takes contiguous int64 indices")
+    paged = _Paged(_p(block_tables), _p(context_lens), block_tables.stride(0), block_size, heads, kv_heads, dim, 0,
+                   0., 0., kv_dt, None)
+    step = _DecodeStep(positions.shape[0], _p(positions), _p(slots), paged)
+    rc = _lib().pr_decode_layers(stack, num_layers, ctypes.byref(step), _p(x), _p(residual), DTYPES[x.dtype])
     if rc:
         raise RuntimeError(f"pr_decode_layers failed ({rc}) for {x.shape[0]} rows")
-
-
-def cpu_decode_layer(x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
-                     weights: list[torch.Tensor | None], layout: list[int], positions: torch.Tensor,
-                     slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, block_size: int, heads: int, scale: float, eps: float, window: int = 0,
-                     softcap: float = 0., kv_scale: torch.Tensor | None = None) -> None:
-    """One Llama decoder layer (``cpu_decode_layers`` of one layer).
-
-    ``weights``: input norm, qkv bias (or None), post-attention norm, then the parts of qkv, o, gate_up and
-    down, each matrix 1..MAX_PARTS parts stacked by output rows. ``layout``: the four matrices' part counts,
-    then each part's type: PLAIN (a contiguous [rows, K] tensor in x's dtype) or a GGUF type id (its blocks,
-    uint8 [rows, row bytes], multiplied as ``cpu_gguf_linear`` does: the same bits)."""
-    cpu_decode_layers(x, residual, [kv_cache], weights, layout, positions, slots, block_tables, context_lens, cos,
-                      sin, block_size, heads, scale, eps, [window], [] if kv_scale is None else [kv_scale], softcap)
 
 
 # ---- GGUF block-quantized weights ---------------------------------------------------------------------

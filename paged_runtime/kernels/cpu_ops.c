@@ -307,11 +307,16 @@ int pr_linear(const void *x, const void *w, const void *bias, void *out, int64_t
 
 /* ---- RMSNorm, optionally after the residual add --------------------------------------------- */
 
+/* How a norm applies its weight (the model's RMSNorm class): NORM_RMS as Llama, weight * dt(h * inv);
+ * NORM_UNIT_OFFSET as Gemma, dt(h * inv * (1 + weight)) in fp32, rounded once (TorchOps.gemma_rms_norm). */
+enum { NORM_RMS = 0, NORM_UNIT_OFFSET = 1 };
+
 /* One row: with residual, residual += x (stored in dt) and the norm is of residual. Writes
- * weight * dt(h * rsqrt(mean(h^2) + eps)) to out (dt) and, if xf, its fp32 value to xf. With vector paths
- * the sum of squares runs in 16 lanes (then summed across), the elementwise steps 16 at a time. */
+ * the normed row (kind: see above; inv = rsqrt(mean(h^2) + eps)) to out (dt) and, if xf, its fp32 value to
+ * xf; out may be x itself (each element is read before it is written). With vector paths the sum of squares
+ * runs in 16 lanes (then summed across), the elementwise steps 16 at a time. */
 static void rms_norm_row(const void *x, void *residual, const void *weight, void *out, float *xf, int64_t m,
-                         int64_t K, float eps, int dt) {
+                         int64_t K, float eps, int dt, int kind) {
     const void *src = x;
     int64_t k0 = 0;
     if (residual) {
@@ -343,13 +348,16 @@ static void rms_norm_row(const void *x, void *residual, const void *weight, void
     k0 = 0;
 #ifdef VEC16
     for (; k0 + 16 <= K; k0 += 16) {
-        V16 v = round16(v16_mul(load16(weight, k0, dt), round16(v16_mul(load16(src, m * K + k0, dt), v16_set1(inv)), dt)), dt);
+        V16 h = v16_mul(load16(src, m * K + k0, dt), v16_set1(inv)), w = load16(weight, k0, dt);
+        V16 v = kind == NORM_UNIT_OFFSET ? round16(v16_mul(h, v16_add(v16_set1(1.f), w)), dt)
+                                         : round16(v16_mul(w, round16(h, dt)), dt);
         if (out) store16(out, m * K + k0, v, dt);
         if (xf) v16_storef(xf + m * K + k0, v);
     }
 #endif
     for (int64_t k = k0; k < K; k++) {
-        float v = rnd(load(weight, k, dt) * rnd(load(src, m * K + k, dt) * inv, dt), dt);
+        float h = load(src, m * K + k, dt) * inv, w = load(weight, k, dt);
+        float v = kind == NORM_UNIT_OFFSET ? rnd(h * (1.f + w), dt) : rnd(w * rnd(h, dt), dt);
         if (out) store(out, m * K + k, v, dt);
         if (xf) xf[m * K + k] = v;
     }
@@ -358,18 +366,19 @@ static void rms_norm_row(const void *x, void *residual, const void *weight, void
 void pr_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t M, int64_t K, float eps,
                  int dt) {
 #pragma omp parallel for if (M > 8)
-    for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, weight, out, NULL, m, K, eps, dt);
+    for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, weight, out, NULL, m, K, eps, dt, NORM_RMS);
 }
 
 /* ---- rotary embedding, in place --------------------------------------------------------------- */
 
-/* Rotates `heads` consecutive heads of `dim` at the start of row m (q heads then k heads of a fused qkv
- * row): x * dt(cos) + rotate_half(x) * dt(sin), each product and the sum stored in dt. cos/sin are fp32
- * tables [max_len, dim] indexed by position. */
+/* Rotates the first `rot` dims of `heads` consecutive heads of `dim` at the start of row m (q heads then k
+ * heads of a fused qkv row; rot < dim: partial rotary, the rest passes through): x * dt(cos) +
+ * rotate_half(x) * dt(sin), each product and the sum stored in dt. cos/sin are fp32 tables [max_len, rot]
+ * indexed by position. */
 static void rope_row(void *qk, int64_t row_stride, int64_t position, const float *cos_table,
-                     const float *sin_table, int64_t m, int64_t heads, int64_t dim, int dt) {
-    int64_t half = dim / 2;
-    const float *c = cos_table + position * dim, *s = sin_table + position * dim;
+                     const float *sin_table, int64_t m, int64_t heads, int64_t dim, int64_t rot, int dt) {
+    int64_t half = rot / 2;
+    const float *c = cos_table + position * rot, *s = sin_table + position * rot;
     for (int64_t h = 0; h < heads; h++) {
         int64_t base = m * row_stride + h * dim, i = 0;
 #ifdef VEC16
@@ -396,7 +405,7 @@ static void rope_row(void *qk, int64_t row_stride, int64_t position, const float
 void pr_rope(void *qk, int64_t row_stride, const int64_t *positions, const float *cos_table,
              const float *sin_table, int64_t M, int64_t heads, int64_t dim, int dt) {
 #pragma omp parallel for if (M > 8)
-    for (int64_t m = 0; m < M; m++) rope_row(qk, row_stride, positions[m], cos_table, sin_table, m, heads, dim, dt);
+    for (int64_t m = 0; m < M; m++) rope_row(qk, row_stride, positions[m], cos_table, sin_table, m, heads, dim, dim, dt);
 }
 
 /* ---- SwiGLU: out = dt(silu(gate)) * up, gate and up the two halves of each row ------------------ */
@@ -420,6 +429,46 @@ static void silu_mul_range(const void *gate_up, void *out, float *xf, int64_t be
 #endif
         for (; i < stop; i++) {
             float v = silu_mul_one(load(gate_up, gate + i, dt), load(gate_up, up + i, dt), dt);
+            if (out) store(out, m * I + i, v, dt);
+            if (xf) xf[m * I + i] = v;
+        }
+    }
+}
+
+/* ---- GeGLU: out = dt(gelu_tanh(gate)) * up (Gemma's MLP; TorchOps.gelu_tanh_mul) ------------------------ */
+
+/* gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as PyTorch's
+ * approximate="tanh"; tanh(z) = 1 - 2 / (exp(2 z) + 1). */
+static inline float gelu_tanh(float x) {
+    float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(z));
+}
+
+#ifdef VEC16
+static inline V16 gelu_tanh16(V16 x) {
+    V16 z = v16_mul(v16_set1(0.7978845608028654f), v16_fmadd(v16_mul(v16_set1(0.044715f), v16_mul(x, x)), x, x));
+    V16 e = exp16(v16_mul(v16_set1(2.f), z)), one = v16_set1(1.f);
+    V16 t = v16_sub(one, v16_div(v16_set1(2.f), v16_add(e, one)));
+    return v16_mul(v16_mul(v16_set1(0.5f), x), v16_add(one, t));
+}
+#endif
+
+/* As silu_mul_range, with gelu_tanh for silu. */
+static void gelu_mul_range(const void *gate_up, void *out, float *xf, int64_t begin, int64_t end, int64_t I,
+                           int dt) {
+    for (int64_t m = begin / I; m * I < end; m++) {
+        int64_t i = begin > m * I ? begin - m * I : 0, stop = end < (m + 1) * I ? end - m * I : I;
+        const int64_t gate = m * 2 * I, up = gate + I;
+#ifdef VEC16
+        for (; i + 16 <= stop; i += 16) {
+            V16 g = round16(gelu_tanh16(load16(gate_up, gate + i, dt)), dt);
+            V16 v = round16(v16_mul(g, load16(gate_up, up + i, dt)), dt);
+            if (out) store16(out, m * I + i, v, dt);
+            if (xf) v16_storef(xf + m * I + i, v);
+        }
+#endif
+        for (; i < stop; i++) {
+            float v = rnd(rnd(gelu_tanh(load(gate_up, gate + i, dt)), dt) * load(gate_up, up + i, dt), dt);
             if (out) store(out, m * I + i, v, dt);
             if (xf) xf[m * I + i] = v;
         }
@@ -1695,10 +1744,24 @@ typedef struct {
     int64_t parts;
 } Matrix;
 
+/* A norm of the layer: its weight (NULL: the layer has none there) and how it applies it (NORM_*). */
 typedef struct {
-    const void *input_norm, *qkv_bias, *post_norm;
+    const void *weight;
+    int64_t kind;
+} Norm;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the MLP's gate: SwiGLU (Llama), GeGLU (Gemma) */
+
+/* A decoder layer as the model describes it (layers/decode_plan.py: the same fields, the contract). With the
+ * residual carried beside the stream: attn_norm(residual += x) -> qkv (+ bias) -> per-head q_norm / k_norm ->
+ * RoPE -> store K/V -> attention -> o -> attn_out_norm -> mlp_norm(residual += that) -> gate_up -> the
+ * activation -> down -> mlp_out_norm -> the layer's output (the next layer adds it to the residual). Llama
+ * has no q/k, attn_out and mlp_out norms; Qwen3 adds the q/k norms; Gemma has all six, NORM_UNIT_OFFSET. */
+typedef struct {
+    Norm attn_norm, q_norm, k_norm, attn_out_norm, mlp_norm, mlp_out_norm;
+    const void *qkv_bias;
     Matrix qkv, o, gate_up, down;
-    int64_t hidden, intermediate;
+    int64_t hidden, intermediate, activation;
     float eps;
 } LayerWeights;
 
@@ -1744,17 +1807,19 @@ static int matrix_check(const Matrix *W, int64_t K) {
 
 typedef struct {
     int64_t rows; /* M <= MAX_ROWS single-token decodes */
-    const int64_t *positions, *slots;
-    const float *cos, *sin;
-    Paged paged;
+    const int64_t *positions, *slots; /* positions: the rows of the RoPE tables (LongRoPE's offsets in) */
+    Paged paged;                      /* the common terms; window, scale, softcap and kv_scale are each layer's */
 } DecodeStep;
 
-/* One layer of a decode step: its weights, its cache, and what its attention reads differently. */
+/* One layer of a decode step: its weights, its cache, and what its attention and RoPE read as their own. */
 typedef struct {
     const LayerWeights *weights;
     void *kv_cache;
     float *kv_scale; /* an 8-bit cache's scales, else NULL */
     int64_t window;  /* > 0: sliding window (Paged.window) */
+    float scale, softcap;
+    const float *cos, *sin; /* this layer's RoPE tables [positions, rot] (Gemma: local and global differ) */
+    int64_t rot;            /* the first rot dims of each q / k head rotate (partial rotary: rot < dim) */
 } StackLayer;
 
 /* Work buffers of one thread team, for the widest layer. */
@@ -1768,41 +1833,71 @@ static int64_t widest_input(const LayerWeights *W, const Paged *P) {
     return I > H ? (I > q_size ? I : q_size) : (H > q_size ? H : q_size);
 }
 
+/* Each q head, then each k head, of row m of the fused qkv normed on its own, in place (Qwen3, Gemma). */
+static void norm_heads(const LayerWeights *W, const Paged *P, char *row, int64_t elem, float eps, int dt) {
+    for (int64_t h = 0; h < P->heads + P->kv_heads; h++) {
+        const Norm *norm = h < P->heads ? &W->q_norm : &W->k_norm;
+        char *head = row + elem * h * P->dim;
+        if (norm->weight) rms_norm_row(head, NULL, norm->weight, head, NULL, 0, P->dim, eps, dt, (int)norm->kind);
+    }
+}
+
+/* The activation's share of the calling thread (every thread calls it), into xf. */
+static void activate_part(const LayerWeights *W, const void *gate_up, float *xf, int64_t M, int dt) {
+    int64_t begin, end, I = W->intermediate;
+    thread_range(M * I, &begin, &end);
+    if (W->activation == ACT_GELU_TANH) gelu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
+    else silu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
+}
+
 /* x (this layer's input, the previous layer's output) is replaced by this layer's output; residual
  * carries the stream (zeros before the first layer). The same operations, in the same dtype roundings, as
- * DecoderLayer.forward with the per-operation kernels. Called by every thread of the team. */
-static void decode_layer(const LayerWeights *W, const Paged *P, const DecodeStep *S, void *kv_cache, void *x,
-                         void *residual, const LayerWork *w, int64_t per_thread, int dt) {
-    int64_t M = S->rows, H = W->hidden, I = W->intermediate, dim = P->dim;
+ * the model's DecoderLayer.forward with the per-operation kernels (see LayerWeights). Called by every
+ * thread of the team. */
+static void decode_layer(const StackLayer *L, const Paged *P, const DecodeStep *S, void *x, void *residual,
+                         const LayerWork *w, int64_t per_thread, int dt) {
+    const LayerWeights *W = L->weights;
+    int64_t M = S->rows, H = W->hidden, dim = P->dim;
     int64_t q_size = P->heads * dim, kv_size = P->kv_heads * dim, qkv_size = q_size + 2 * kv_size;
     int64_t elem = dt == BF16 ? 2 : 4;
     float *xf = w->xf;
 #pragma omp for
-    for (int64_t m = 0; m < M; m++) rms_norm_row(x, residual, W->input_norm, NULL, xf, m, H, W->eps, dt);
+    for (int64_t m = 0; m < M; m++)
+        rms_norm_row(x, residual, W->attn_norm.weight, NULL, xf, m, H, W->eps, dt, (int)W->attn_norm.kind);
     matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, w->acts, w->qkv);
 #pragma omp barrier
 #pragma omp for
     for (int64_t m = 0; m < M; m++) {
         char *row = w->qkv + elem * m * qkv_size;
-        rope_row(w->qkv, qkv_size, S->positions[m], S->cos, S->sin, m, P->heads + P->kv_heads, dim, dt);
-        store_kv_row(P, row + elem * q_size, row + elem * (q_size + kv_size), kv_cache, S->slots[m], dt);
+        if (W->q_norm.weight || W->k_norm.weight) norm_heads(W, P, row, elem, W->eps, dt);
+        rope_row(w->qkv, qkv_size, S->positions[m], L->cos, L->sin, m, P->heads + P->kv_heads, dim, L->rot, dt);
+        store_kv_row(P, row + elem * q_size, row + elem * (q_size + kv_size), L->kv_cache, S->slots[m], dt);
     }
-    attend_part(P, w->qkv, qkv_size, kv_cache, M, w->scratch + per_thread * omp_get_thread_num(), NULL, xf, dt);
+    attend_part(P, w->qkv, qkv_size, L->kv_cache, M, w->scratch + per_thread * omp_get_thread_num(), NULL, xf,
+                dt);
 #pragma omp barrier
     matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, w->acts, w->attn_out);
 #pragma omp barrier
 #pragma omp for
-    for (int64_t m = 0; m < M; m++) rms_norm_row(w->attn_out, residual, W->post_norm, NULL, xf, m, H, W->eps, dt);
+    for (int64_t m = 0; m < M; m++) {
+        if (W->attn_out_norm.weight)
+            rms_norm_row(w->attn_out, NULL, W->attn_out_norm.weight, w->attn_out, NULL, m, H, W->eps, dt,
+                         (int)W->attn_out_norm.kind);
+        rms_norm_row(w->attn_out, residual, W->mlp_norm.weight, NULL, xf, m, H, W->eps, dt, (int)W->mlp_norm.kind);
+    }
     matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, w->acts, w->gate_up);
 #pragma omp barrier
-    {
-        int64_t begin, end;
-        thread_range(M * I, &begin, &end);
-        silu_mul_range(w->gate_up, NULL, xf, begin, end, I, dt);
-    }
+    activate_part(W, w->gate_up, xf, M, dt);
 #pragma omp barrier
-    matrix_part(&W->down, NULL, I, dt, xf, (int)M, w->acts, x);
-#pragma omp barrier /* x is the next layer's input */
+    /* with an output norm the MLP's product goes to attn_out (free again), the norm of it to x */
+    matrix_part(&W->down, NULL, W->intermediate, dt, xf, (int)M, w->acts, W->mlp_out_norm.weight ? w->attn_out : x);
+#pragma omp barrier
+    if (W->mlp_out_norm.weight) {
+#pragma omp for
+        for (int64_t m = 0; m < M; m++)
+            rms_norm_row(w->attn_out, NULL, W->mlp_out_norm.weight, x, NULL, m, H, W->eps, dt,
+                         (int)W->mlp_out_norm.kind);
+    } /* (the omp for's implied barrier: x is the next layer's input) */
 }
 
 /* A decode step's decoder layers, layers[0] .. layers[n - 1] in turn, in one parallel region: no
@@ -1819,7 +1914,9 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
         const Paged *P = &S->paged;
         int64_t q_size = P->heads * P->dim, wide = widest_input(W, P);
         if (matrix_check(&W->qkv, W->hidden) || matrix_check(&W->o, q_size) ||
-            matrix_check(&W->gate_up, W->hidden) || matrix_check(&W->down, W->intermediate))
+            matrix_check(&W->gate_up, W->hidden) || matrix_check(&W->down, W->intermediate) ||
+            !W->attn_norm.weight || !W->mlp_norm.weight || layers[l].rot < 2 || layers[l].rot > P->dim ||
+            layers[l].rot % 2)
             return -1;
         widest = wide > widest ? wide : widest;
         H = W->hidden > H ? W->hidden : H, I = W->intermediate > I ? W->intermediate : I;
@@ -1838,7 +1935,8 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
     for (int64_t l = 0; l < n; l++) {
         Paged P = S->paged;
         P.window = layers[l].window, P.kv_scale = layers[l].kv_scale;
-        decode_layer(layers[l].weights, &P, S, layers[l].kv_cache, x, residual, &w, per_thread, dt);
+        P.scale = layers[l].scale, P.softcap = layers[l].softcap;
+        decode_layer(&layers[l], &P, S, x, residual, &w, per_thread, dt);
     }
     free(buffer);
     return 0;
@@ -1847,7 +1945,8 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
 /* ---- what the Python loader reads instead of mirroring by hand -------------------------------- */
 
 /* 0: MAX_ROWS; 1, 2, 3, 4: sizeof LayerWeights, DecodeStep, Paged, StackLayer (cpu.py checks its ctypes
- * structs against these and refuses a library that disagrees); -1 for anything else. */
+ * structs against these and refuses a library that disagrees); 5, 6: NORM_UNIT_OFFSET, ACT_GELU_TANH; -1 for
+ * anything else. */
 int64_t pr_abi(int what) {
     switch (what) {
     case 0: return MAX_ROWS;
@@ -1855,6 +1954,8 @@ int64_t pr_abi(int what) {
     case 2: return (int64_t)sizeof(DecodeStep);
     case 3: return (int64_t)sizeof(Paged);
     case 4: return (int64_t)sizeof(StackLayer);
+    case 5: return NORM_UNIT_OFFSET;
+    case 6: return ACT_GELU_TANH;
     default: return -1;
     }
 }

@@ -72,14 +72,11 @@ class LinearMethod:
         """Make the LM head ``layer`` multiply by ``embedding``'s weights (a model that ties them)."""
         layer.weight = embedding.weight
 
-    # Whether ``fused_parts`` describes this method's weights, so a model can run its decoder layers as one op.
-    fusable = False
-
-    def fused_parts(self, layer: LinearBase) -> list[tuple[torch.Tensor, int]]:
-        """The layer's weight as the one-op decoder layer reads it (``kernels.cpu.cpu_decode_layer``): parts
-        stacked by output rows, each (tensor, type): ``PLAIN`` (a [rows, input_size] tensor in the model
-        dtype) or a GGUF type id (its blocks). Only for methods with ``fusable``."""
-        raise NotImplementedError
+    def describe(self, layer: LinearBase) -> list[tuple[torch.Tensor, int]] | None:
+        """The layer's weight as the compiled decode step reads it (``layers/decode_plan.py``): parts stacked by
+        output rows, each (tensor, type): ``PLAIN`` (a [rows, input_size] tensor in the model dtype) or a GGUF
+        type id (its blocks); None where the kernels do not read this method's weights."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -98,9 +95,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.ops.linear(x, layer.weight, bias, layer.packed_weight)
 
-    fusable = True
-
-    def fused_parts(self, layer: LinearBase) -> list[tuple[torch.Tensor, int]]:
+    def describe(self, layer: LinearBase) -> list[tuple[torch.Tensor, int]]:
         return [(layer.weight, PLAIN)]
 
 

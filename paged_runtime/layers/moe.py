@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_runtime.layers.decode_plan import Undescribable
 from paged_runtime.layers.linear import SINGLE, LinearBase, LinearMethod, TensorParallel, empty_parameter
 from paged_runtime.layers.ops import TorchOps
 
@@ -103,3 +104,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
+
+    def describe(self) -> dict:
+        raise Undescribable("mixture-of-experts layers are not in the compiled decode step")

@@ -5,8 +5,8 @@
   the oracle for the other set.
 - ``CpuKernelOps``: the ``paged_runtime::cpu_*`` ops (``kernels/cpu.py``). A decode
   step's few rows stream each weight matrix once; norm, RoPE and SwiGLU are one call
-  each instead of a dozen small tensor ops; a decode-only step of at most
-  ``max_rows()`` rows runs each Llama decoder layer as one op. It rounds to the model
+  each instead of a dozen small tensor ops (a decode step of at most ``max_rows()``
+  rows runs all the decoder layers as one call instead: ``worker/cpu_decode_plan.py``). It rounds to the model
   dtype at the same points as ``TorchOps``, so the sets differ in the order of fp32
   sums (and attention keeps its probabilities in fp32). Larger batches multiply with
   oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a
@@ -94,10 +94,6 @@ class TorchOps:
         """GeGLU: gelu(gate) (tanh approximation) * up."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
-
-    def fused_decoder_layer(self, meta) -> bool:
-        """Whether this step runs each decoder layer as one op (``decoder_layer``); never on this set."""
-        return False
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
@@ -231,26 +227,6 @@ class CpuKernelOps(TorchOps):
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.cpu_silu_mul(gate_up.contiguous())
-
-    def fused_decoder_layer(self, meta) -> bool:
-        """A step of one-token query rows only (decodes and verification rows), at most max_rows of them,
-        with the kernel backend's metadata: the decoder layers are one ``cpu_decode_layers`` op."""
-        return meta.rows_only and meta.num_tokens <= self.max_rows
-
-    @staticmethod
-    def decoder_layers(x: torch.Tensor, residual: torch.Tensor, stack, kv_caches: list[torch.Tensor],
-                       kv_scales: list[torch.Tensor], meta, rope_tables, heads: int, scale: float,
-                       eps: float) -> None:
-        """Llama decoder layers over the step's rows, in turn, in place (x: the first's input -> the last's
-        output; residual advanced): ``stack`` their (weights, layout, windows) as ``cpu_decode_layers`` takes
-        them, each layer's attention over its cache (an 8-bit one with its scales), each row's last
-        ``windows[i]`` tokens where nonzero (Mistral's sliding window)."""
-        cos, sin = rope_tables
-        rows = meta.decode_rows
-        weights, layout, windows = stack
-        cpu_kernels.cpu_decode_layers(x, residual, kv_caches, weights, layout, meta.positions, meta.slot_mapping,
-                                      rows.block_tables, rows.context_lens, cos, sin, meta.block_size, heads,
-                                      scale, eps, windows, kv_scales)
 
 
 class TritonOps(TorchOps):

@@ -20,6 +20,7 @@ from torch import nn
 
 from paged_runtime.layers.activation import GeluTanhAndMul
 from paged_runtime.layers.attention import Attention
+from paged_runtime.layers.decode_plan import LayerDescription, attention_fields, matrix_description, norm_description
 from paged_runtime.layers.linear import (SINGLE, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear,
                                          RowParallelLinear, TensorParallel, UnquantizedLinearMethod)
 from paged_runtime.layers.norm import GemmaRMSNorm
@@ -58,6 +59,11 @@ class Gemma3Attention(nn.Module):
         """Each head_dim slice of [T, heads * head_dim] normalised on its own (rows of [T * heads, head_dim])."""
         return norm(t.reshape(-1, self.head_dim))[0].view(t.shape[0], -1)
 
+    def describe(self) -> dict:
+        return dict(qkv=matrix_description(self.qkv_proj, bias=True), o=matrix_description(self.o_proj),
+                    q_norm=norm_description(self.q_norm, unit_offset=True),
+                    k_norm=norm_description(self.k_norm, unit_offset=True), **attention_fields(self.attn, self.rotary))
+
 
 class Gemma3MLP(nn.Module):
     def __init__(self, c: ModelConfig, ops: TorchOps, method, dtype, device, tp: TensorParallel) -> None:
@@ -69,6 +75,10 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def describe(self) -> dict:
+        return dict(gate_up=matrix_description(self.gate_up_proj), down=matrix_description(self.down_proj),
+                    activation="gelu_tanh")
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -90,10 +100,18 @@ class Gemma3DecoderLayer(nn.Module):
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x))[0], residual
 
+    def describe(self) -> LayerDescription:
+        """Four norms, each scaling by 1 + w: before attention, on its output, before the MLP, on its output."""
+        norm = lambda module: norm_description(module, unit_offset=True)  # noqa: E731
+        return LayerDescription(attn_norm=norm(self.input_layernorm), attn_out_norm=norm(self.post_attention_layernorm),
+                                mlp_norm=norm(self.pre_feedforward_layernorm),
+                                mlp_out_norm=norm(self.post_feedforward_layernorm), eps=self.input_layernorm.eps,
+                                **self.self_attn.describe(), **self.mlp.describe())
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Builds its own modules (none of Llama's constructor applies); inherits Llama's weight loading."""
-    one_op_layer = False  # ops.decoder_layer is Llama's layer
+    """Builds its own modules (none of Llama's constructor applies); inherits Llama's weight loading and its
+    layer descriptions."""
     rope_switch = None  # no LongRoPE: each layer kind rotates every request by one table
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
@@ -117,11 +135,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                                vocab or UnquantizedLinearMethod(self.ops), dtype, device, tp))
         if self.lm_head is not None:
             self.lm_head.softcap = config.raw.get("final_logit_softcapping")
-        self.fusable = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
-        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]); see Llama's for stages."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, decoder=None) -> torch.Tensor | None:
+        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]); see Llama's for stages and
+        ``decoder``."""
         x, residual = self.stage_input(input_ids)
+        if decoder is not None:
+            x, residual = decoder(x, residual, positions, meta)
+            return self.stage_output(x, residual)
         ropes = {kind: rotary.inputs(positions, x.dtype) for kind, rotary in self.rotaries.items()}
         for i in self.held:
             x, residual = self.layers[i](x, residual, ropes[self.layer_kinds[i]], meta)

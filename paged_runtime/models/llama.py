@@ -3,11 +3,12 @@
 Numerics follow Hugging Face's implementation step for step (RMSNorm in fp32,
 rotate-half RoPE, residual order) so greedy outputs match it token for token.
 q/k/v and gate/up are fused into single matrices; logits are computed only for
-the rows that are sampled. The arithmetic is the op set's (``layers/ops.py``);
-where it offers one (the CPU kernels on a small decode step), each decoder layer
-runs as a single op. A family that adds steps subclasses these classes through
-their hooks (``project_qkv``, ``attention_class``, ``make_mlp``, ``decoder_layer_class``,
-``one_op_layer``), as ``models/qwen3.py`` does.
+the rows that are sampled. The arithmetic is the op set's (``layers/ops.py``). Each
+layer also describes itself as data (``describe``: ``layers/decode_plan.py``), which
+the runner's compiled CPU decode step runs (``worker/cpu_decode_plan.py``, handed to
+``forward`` as its ``decoder``). A family that adds steps subclasses these classes
+through their hooks (``project_qkv``, ``attention_class``, ``make_mlp``,
+``decoder_layer_class``) and describes what it adds, as ``models/qwen3.py`` does.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from torch import nn
 
 from paged_runtime.layers.activation import SiluAndMul
 from paged_runtime.layers.attention import Attention
+from paged_runtime.layers.decode_plan import (LayerDescription, attention_fields, matrix_description,
+                                              norm_description)
 from paged_runtime.layers.linear import (SINGLE, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear,
                                          RowParallelLinear, TensorParallel, UnquantizedLinearMethod)
 from paged_runtime.layers.norm import RMSNorm
@@ -51,6 +54,11 @@ class LlamaAttention(nn.Module):
         """The fused [T, q + k + v] rows that RoPE rotates (a family may transform them first)."""
         return self.qkv_proj(x)
 
+    def describe(self) -> dict:
+        """The attention's fields of the layer's description (a family adding q/k norms adds them here)."""
+        return dict(qkv=matrix_description(self.qkv_proj, bias=True), o=matrix_description(self.o_proj),
+                    **attention_fields(self.attn, self.rotary))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, c: ModelConfig, ops: TorchOps, method, dtype, device,
@@ -63,6 +71,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def describe(self) -> dict:
+        return dict(gate_up=matrix_description(self.gate_up_proj), down=matrix_description(self.down_proj),
+                    activation="silu")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,22 +101,15 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(x, rope, meta), residual)
         return self.mlp(x), residual
 
-    def fused_weights(self) -> tuple[list[torch.Tensor | None], list[int]]:
-        """This layer's (weights, layout) in the one-op layers (``kernels.cpu.cpu_decode_layer``): the norms and
-        qkv bias, then each matrix's parts as its linear method holds them."""
-        a, m = self.self_attn, self.mlp
-        matrices = [linear.method.fused_parts(linear) for linear in (a.qkv_proj, a.o_proj, m.gate_up_proj,
-                                                                       m.down_proj)]
-        parts = [part for matrix in matrices for part in matrix]
-        weights = [self.input_layernorm.weight, a.qkv_proj.bias, self.post_attention_layernorm.weight]
-        return weights + [t for t, _ in parts], [len(matrix) for matrix in matrices] + [kind for _, kind in parts]
+    def describe(self) -> LayerDescription:
+        """This layer as the compiled decode step runs it (raises ``Undescribable`` where it cannot: experts)."""
+        return LayerDescription(attn_norm=norm_description(self.input_layernorm),
+                                mlp_norm=norm_description(self.post_attention_layernorm),
+                                eps=self.input_layernorm.eps, **self.self_attn.describe(), **self.mlp.describe())
 
 
 class LlamaForCausalLM(nn.Module):
     decoder_layer_class = LlamaDecoderLayer
-    # Whether ops.decoder_layer (the one-op layer: norm, qkv, RoPE, attention, o, norm, MLP) computes
-    # this family's decoder layer; a family that adds a step to the layer sets it False.
-    one_op_layer = True
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
                  ops: TorchOps | None = None, tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE,
@@ -124,10 +129,6 @@ class LlamaForCausalLM(nn.Module):
                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, dtype, device),
                         lambda: ParallelLMHead(config.vocab_size, config.hidden_size,
                                                vocab or UnquantizedLinearMethod(self.ops), dtype, device, tp))
-        # Only weights the op reads (plain, GGUF blocks), a plain rotary (whole heads, one table) and one rank
-        # (the op has no all-reduce) fit the one-op layer.
-        self.fusable = self.one_op_layer and self.rotary.one_table and method.fusable and tp.size == 1
-        self._fused_stack = None  # forward_fused's (weights, layout, windows) of the held layers
 
     def init_stage(self, stage: PipelineStage, embedding, decoder_layer, norm, lm_head) -> None:
         """Build the modules pipeline stage ``stage`` holds (each argument makes one); the others are None
@@ -142,34 +143,24 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None and tied:
             self.lm_head.tie(self.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, decoder=None) -> torch.Tensor | None:
         """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]). ``positions`` pick the
-        rotary's rows (``rope_position_offset``); attention reads true positions from ``meta``. A pipeline
-        stage before the last sends its output on and returns None."""
+        rotary's rows (``rope_position_offset``); attention reads true positions from ``meta``. ``decoder``:
+        the runner's compiled decode step for this step (``worker/cpu_decode_plan.py``), which runs the layers
+        instead of the loop below. A pipeline stage before the last sends its output on and returns None."""
         x, residual = self.stage_input(input_ids)
-        layers = self.layers[self.held.start:self.held.stop]
-        if self.fusable and self.ops.fused_decoder_layer(meta):
-            residual = torch.zeros_like(x) if residual is None else residual
-            self.forward_fused(layers, x, residual, meta)
+        if decoder is not None:
+            x, residual = decoder(x, residual, positions, meta)
         else:
             rope = self.rotary.inputs(positions, x.dtype)
-            for layer in layers:
-                x, residual = layer(x, residual, rope, meta)
+            for i in self.held:
+                x, residual = self.layers[i](x, residual, rope, meta)
         return self.stage_output(x, residual)
 
-    def forward_fused(self, layers, x: torch.Tensor, residual: torch.Tensor, meta) -> None:
-        """The decoder layers as one op (``ops.decoder_layers``), in place: x from input to output, residual
-        advanced."""
-        if self._fused_stack is None:  # weights are fixed once loaded: flattened at the first one-op step
-            weights = [layer.fused_weights() for layer in layers]
-            windows = [layer.self_attn.attn.sliding_window or 0 for layer in layers]
-            self._fused_stack = ([t for w, _ in weights for t in w], [k for _, lay in weights for k in lay], windows)
-        attns = [layer.self_attn.attn for layer in layers]  # caches are the runner's: read at every step
-        kv_scales = [a.kv_scale for a in attns] if attns[0].kv_scale is not None else []
-        first = layers[0].self_attn
-        self.ops.decoder_layers(x, residual, self._fused_stack, [a.kv_cache for a in attns], kv_scales, meta,
-                                (first.rotary.cos, first.rotary.sin), first.attn.num_heads, first.attn.scale,
-                                layers[0].input_layernorm.eps)
+    def describe_decoder_layers(self) -> list[LayerDescription]:
+        """Every held decoder layer as data, for the compiled decode step (``layers/decode_plan.py``); call it
+        once the weights are loaded and the caches bound. Raises ``Undescribable`` with the reason."""
+        return [self.layers[i].describe() for i in self.held]
 
     def stage_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) entering this stage's first layer: the embeddings, or what the stage before sent."""

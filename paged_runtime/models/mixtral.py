@@ -74,7 +74,6 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Also the weight loading of every expert family: per-expert and stacked expert tensors."""
     decoder_layer_class = MixtralDecoderLayer
-    one_op_layer = False  # ops.decoder_layer has a dense MLP
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | list[str] | None:
         name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")

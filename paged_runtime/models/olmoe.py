@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_runtime.layers.decode_plan import Undescribable
 from paged_runtime.layers.linear import RowParallelLinear
 from paged_runtime.layers.norm import RMSNorm
 from paged_runtime.models.llama import LlamaAttention, LlamaDecoderLayer
@@ -32,6 +33,9 @@ class OlmoeAttention(LlamaAttention):
         qkv = torch.cat([self.q_norm(q)[0], self.k_norm(k)[0], v], dim=-1)
         return qkv if self.clip_qkv is None else qkv.clamp_(-self.clip_qkv, self.clip_qkv)
 
+    def describe(self) -> dict:
+        raise Undescribable("OLMoE's q/k norms span all heads and its qkv may be clipped")
+
 
 class OlmoeDecoderLayer(LlamaDecoderLayer):
     attention_class = OlmoeAttention
@@ -43,7 +47,6 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
 
 class OlmoeForCausalLM(MixtralForCausalLM):
     decoder_layer_class = OlmoeDecoderLayer
-    one_op_layer = False  # q/k norms and experts: ops.decoder_layer has neither
 
 
 # The generic config.json reading is OLMoE's; no GGUF file converts to it.

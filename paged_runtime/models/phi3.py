@@ -7,8 +7,8 @@
   rotary's (``layers/rotary.py``), read from ``ModelConfig.rope_scaling``; a long prompt's tokens read
   the long half of its tables through ``rope_position_offset``.
 - ``sliding_window`` applies to every layer, as transformers' mask does (``phi3_config``).
-The compiled one-op Llama layer rotates whole heads by true positions with no window, so a Phi-3 runs it
-only when that is what the model computes.
+The compiled decode step describes each of these (the rotated width, the tables the positions read, the
+window), so a Phi-3 runs it as a Llama does.
 """
 from __future__ import annotations
 
@@ -24,10 +24,6 @@ from paged_runtime.models.registry import register
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    @property
-    def one_op_layer(self) -> bool:
-        return not self.config.layer_windows  # the rotary's own condition is checked by LlamaForCausalLM
-
     def fused_parts(self) -> dict[str, tuple[list[str], list[int]]]:
         """Fused checkpoint matrix -> (the Llama names of its parts, their rows), full (unsharded) sizes."""
         c = self.config

@@ -1,8 +1,7 @@
 """Qwen3 (dense): the Llama layer with a per-head RMSNorm on q and on k, between the projection and RoPE.
 
 Also unlike Qwen2: an explicit ``head_dim`` (often not hidden / heads) and no q/k/v bias by default --
-both read by ``ModelConfig``. The compiled one-op Llama layer (``ops.decoder_layer``) has no q/k norms,
-so Qwen3 always runs op by op.
+both read by ``ModelConfig``. The compiled decode step runs the q/k norms from the layer's description.
 """
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import dataclasses
 
 import torch
 
+from paged_runtime.layers.decode_plan import norm_description
 from paged_runtime.layers.norm import RMSNorm
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.gguf_spec import ATTENTION, DENSE_MLP, NORMS, QK_NORM, GgufSpec
@@ -32,6 +32,9 @@ class Qwen3Attention(LlamaAttention):
         """Each head_dim slice of [T, heads * head_dim] normalised on its own (rows of [T * heads, head_dim])."""
         return norm(t.reshape(-1, self.head_dim))[0].view(t.shape[0], -1)
 
+    def describe(self) -> dict:
+        return super().describe() | dict(q_norm=norm_description(self.q_norm), k_norm=norm_description(self.k_norm))
+
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_class = Qwen3Attention
@@ -39,7 +42,6 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Qwen3DecoderLayer
-    one_op_layer = False  # ops.decoder_layer would skip the q/k norms
 
 
 def qwen3_config(c: ModelConfig) -> ModelConfig:

@@ -34,7 +34,6 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):
     decoder_layer_class = Qwen3MoeDecoderLayer
-    one_op_layer = False  # q/k norms and experts: ops.decoder_layer has neither
 
 
 def qwen3_moe_config(c: ModelConfig) -> ModelConfig:

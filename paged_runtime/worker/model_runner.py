@@ -33,6 +33,7 @@ from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow
 from paged_runtime.worker.grammar_masks import GrammarMaskFiller, GrammarMasks
 from paged_runtime.utils.cpu import huge_page_zeros, keep_freed_memory_mapped
+from paged_runtime.worker.cpu_decode_plan import CpuDecodePlan
 from paged_runtime.worker.cuda_graphs import DecodeGraphs
 from paged_runtime.utils.device_inputs import to_device, to_host
 from paged_runtime.worker.request_states import CachedRequest, RequestStates
@@ -118,6 +119,9 @@ class ModelRunner:
         if graphs is not None and attention_backend == "triton":
             self.graphs = DecodeGraphs(model, block_size, *graphs, device)
             self.graphs.capture_all()
+        # The compiled CPU decode step of each model this runner runs (the drafter's too), over its bound caches.
+        self.cpu_plans = {} if attention_backend != "cpu" else {
+            m: CpuDecodePlan.build(m, dtype) for m in (model, drafter.model if drafter else None) if m is not None}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
@@ -202,7 +206,10 @@ class ModelRunner:
         meta = self.build_metadata(batch, self.device)
         input_ids, positions = to_device(self.device, batch.token_ids, self._rope_positions(model, items, batch))
         hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None and model is self.model else None
-        return model(input_ids, positions, meta) if hidden is None else hidden
+        if hidden is not None:
+            return hidden
+        plan = self.cpu_plans.get(model)
+        return model(input_ids, positions, meta, plan.decoder(meta) if plan is not None else None)
 
     def _rope_positions(self, model, items: list[BatchItem], batch) -> np.ndarray:
         """The positions ``model`` takes (rows of its rotary tables): the tokens' own, shifted per request by

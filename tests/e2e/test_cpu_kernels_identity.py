@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from conftest import assert_idle, count_decode_steps, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
-from paged_runtime.layers.ops import CpuKernelOps
+from paged_runtime.worker.cpu_decode_plan import CpuDecodePlan
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")]
 
 TINY_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads, head dim 16, fp32, 16 tokens
 
@@ -38,11 +39,10 @@ def generate(llm, prompts, params) -> list[list[int]]:
 @pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
                          ids=["plain", "ngram"])
 def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seqs, num_blocks, speculative_config):
-    fused_calls, row_steps = [], []
-    decode_layer, fused = cpu.cpu_decode_layers, CpuKernelOps.fused_decoder_layer
-    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
-    monkeypatch.setattr(CpuKernelOps, "fused_decoder_layer",
-                        lambda self, meta: (meta.rows_only and row_steps.append(meta.num_tokens)) or fused(self, meta))
+    fused_calls, row_steps = count_decode_steps(monkeypatch), []
+    decoder = CpuDecodePlan.decoder
+    monkeypatch.setattr(CpuDecodePlan, "decoder",
+                        lambda self, meta: (meta.rows_only and row_steps.append(meta.num_tokens)) or decoder(self, meta))
     prompts, params = workload()
     # 24 blocks of 16 tokens: too few for every request at once (preemption); 128 let more than
     # MAX_ROWS decode at once (the per-operation path); a 64-token step budget (chunked prefill beside decodes).
@@ -54,9 +54,9 @@ def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seq
     expected = generate(eager, prompts, params)
     eager_fused_calls = len(fused_calls)
     assert generate(kernels, prompts, params) == expected
-    assert eager_fused_calls == 0 and len(fused_calls) > 0  # the fused layer ran, only on the kernel path
+    assert eager_fused_calls == 0 and len(fused_calls) > 0  # the compiled decode step ran, only with the kernels
     if max_num_seqs > cpu.max_rows():
-        assert max(row_steps) > cpu.max_rows()  # decodes too many for the fused layer ran op by op
+        assert max(row_steps) > cpu.max_rows()  # decodes too many for the compiled step ran op by op
     else:
         assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0

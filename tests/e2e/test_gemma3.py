@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
+from conftest import assert_idle, copy_tokenizer, count_decode_steps, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -106,16 +106,15 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma3_dir, expected_tokens):
 
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 @pytest.mark.parametrize("attention", ["torch", "cpu"])
-def test_tiny_gemma3_with_cpu_kernels_stays_off_the_one_op_llama_layer(tiny_gemma3_dir, expected_tokens, attention,
-                                                                       monkeypatch):
-    """The kernel op set: Gemma's norms and GeGLU fall back to PyTorch's, its linears and RoPE are kernels."""
-    fused_calls = []
-    decode_layer = cpu.cpu_decode_layers
-    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
+def test_tiny_gemma3_with_cpu_kernels(tiny_gemma3_dir, expected_tokens, attention, monkeypatch):
+    """The kernel op set gives transformers' tokens. With the kernel backend every decode step runs the layers
+    as one C call: Gemma's four (1 + w) norms, q/k norms, GeGLU and each layer kind's RoPE tables described;
+    with the torch backend (no compiled decode step) its per-op path."""
+    steps = count_decode_steps(monkeypatch)
     llm = run_and_compare(tiny_gemma3_dir, expected_tokens, device="cpu", cpu_kernels=True,
                           attention_backend=attention)
     assert (llm.engine.core.ops.name, llm.engine.core.attention_backend) == ("cpu-kernels", attention)
-    assert fused_calls == []  # Gemma's layer is not Llama's: every decode step runs op by op
+    assert bool(steps) == (attention == "cpu") and all(layers == 4 for layers, _ in steps)
 
 
 def test_the_window_changes_the_reference(tiny_gemma3_dir):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_idle, make_llm
+from conftest import assert_idle, count_decode_steps, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu, kv_quant
@@ -99,9 +99,7 @@ def test_chunked_prefill_prefix_hits_preemption_and_speculation_keep_the_tokens(
 def test_the_compiled_cpu_kernels_read_and_write_the_same_8_bit_cache(tiny_llama_dir, expected, monkeypatch):
     """The fused decoder layer (which quantizes its own K/V) and the C decode attention, on every CPU."""
     name, want = expected
-    fused_calls = []
-    decode_layer = cpu.cpu_decode_layers
-    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a, **k: fused_calls.append(1) or decode_layer(*a, **k))
+    fused_calls = count_decode_steps(monkeypatch)
     llm = make_llm(tiny_llama_dir, kv_cache_dtype=name, cpu_kernels=True, max_model_len=384,
                    max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=24 * TINY_BLOCK_BYTES[name])
     try:

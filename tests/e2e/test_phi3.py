@@ -24,7 +24,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
+from conftest import assert_idle, copy_tokenizer, count_decode_steps, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -130,7 +130,7 @@ def test_tiny_phi3_with_a_sliding_window_matches_transformers(plain_dir):
     llm = run_and_compare(plain_dir, (0, 2, 3, 5, 8), num_blocks=9, attention_backend="torch")
     model = llm.engine.core.runner.model
     assert type(model).__name__ == "Phi3ForCausalLM"
-    assert model.config.layer_windows == (48, 48) and not model.fusable
+    assert model.config.layer_windows == (48, 48)
 
 
 def test_tiny_phi3_with_partial_rotary_and_longrope_matches_transformers(longrope_dir):
@@ -157,14 +157,12 @@ def test_tiny_phi3_with_partial_rotary_and_longrope_matches_transformers(longrop
 
 
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
-def test_tiny_phi3_longrope_with_cpu_kernels_rotates_partially_and_stays_off_the_one_op_layer(longrope_dir,
-                                                                                          monkeypatch):
-    fused_calls = []
-    decode_layer = cpu.cpu_decode_layers
-    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: fused_calls.append(1) or decode_layer(*a))
+def test_tiny_phi3_longrope_with_cpu_kernels_runs_the_compiled_decode_step(longrope_dir, monkeypatch):
+    """Partial rotary (12 of 16 dims) and LongRoPE's stacked tables, read by the step's rope positions (short
+    prompts switching to the long half as they grow) in the one C call: transformers' tokens."""
+    steps = count_decode_steps(monkeypatch)
     llm = run_and_compare(longrope_dir, (0, 1, 2, 7, 8), device="cpu", cpu_kernels=True)
-    assert llm.engine.core.ops.name == "cpu-kernels"
-    assert fused_calls == []
+    assert llm.engine.core.ops.name == "cpu-kernels" and steps
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -268,13 +266,15 @@ def test_a_request_growing_past_the_longrope_switch_is_recomputed_long_apart_fro
     assert scheduler.num_preemptions == 0
 
 
-def test_only_a_plain_phi3_may_run_the_one_op_llama_layer():
-    """Whole-head RoPE from one table and no window is the Llama layer exactly; anything else runs op by op."""
+def test_every_phi3_describes_its_window_rotary_width_and_tables():
+    """What the compiled decode step needs of Phi-3's variants is in the layer description: the window, the
+    rotated width (partial rotary) and LongRoPE's stacked short and long tables."""
     from paged_runtime.models.phi3 import Phi3ForCausalLM
     tiny = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 256}
     rope = {"rope_scaling": longrope([1.0] * 8, [2.0] * 8), "original_max_position_embeddings": 64}
-    for changes, fusable in (({}, True), ({"sliding_window": 32}, False), ({"partial_rotary_factor": 0.5}, False),
-                             (rope, False)):
+    for changes, (window, rot, rows) in (({}, (None, 16, 64)), ({"sliding_window": 32}, (32, 16, 64)),
+                                         ({"partial_rotary_factor": 0.5}, (None, 8, 64)), (rope, (None, 16, 128))):
         model = Phi3ForCausalLM(ModelConfig.from_dict(tiny | changes), 64, torch.float32, torch.device("cpu"))
-        assert model.fusable == fusable, changes
+        [layer] = model.describe_decoder_layers()
+        assert (layer.window, layer.rot, layer.cos.shape) == (window, rot, (rows, rot)), changes

@@ -5,7 +5,7 @@ saved as a real safetensors folder with SmolLM2's tokenizer. Prompts run far pas
 chunked prefill, shared prefixes (cache hits), a KV cache too small for the batch (preemption) and
 n > 1; the KV manager releases the blocks behind the window, so a long request holds fewer blocks
 than its length needs. Transformers' output differs from a full-attention run of the same weights,
-so the comparison can fail. Repeated with the compiled CPU kernels (one-op layer included); the Triton
+so the comparison can fail. Repeated with the compiled CPU kernels (the compiled decode step included); the Triton
 backend is checked against the torch backend on a windowed model in tests/kernels/test_window_softcap.py
 (its interpreter needs that folder's conftest without a GPU).
 """
@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_idle, copy_tokenizer, hf_greedy, make_llm
+from conftest import assert_idle, copy_tokenizer, count_decode_steps, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -122,10 +122,9 @@ def test_tiny_mistral_matches_transformers_past_the_window(tiny_mistral_dir, exp
 
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 def test_tiny_mistral_with_cpu_kernels(tiny_mistral_dir, expected, monkeypatch):
-    windows = []
-    decode_layers = cpu.cpu_decode_layers
-    # cpu_decode_layers' 16th argument is the layers' windows
-    monkeypatch.setattr(cpu, "cpu_decode_layers", lambda *a: windows.extend(a[15]) or decode_layers(*a))
+    steps = count_decode_steps(monkeypatch)
     llm = run_and_compare(tiny_mistral_dir, expected, device="cpu", cpu_kernels=True)  # "auto" is CUDA on a GPU
     assert llm.engine.core.ops.name == "cpu-kernels" and llm.engine.core.attention_backend == "cpu"
-    assert windows and set(windows) == {WINDOW}  # the one-op layer ran, sliding
+    runner = llm.engine.core.runner
+    plan = runner.cpu_plans[runner.model]
+    assert steps and {layer.window for layer in plan.stack.layers} == {WINDOW}  # the compiled step ran, sliding

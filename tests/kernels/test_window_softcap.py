@@ -103,9 +103,10 @@ def test_window_and_cap_change_the_result():
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU kernels are off here")
 @pytest.mark.parametrize("window", [1, 24, 100], ids=lambda w: f"window-{w}")
 def test_fused_decode_layer_slides(window):
-    """The one-op layers (``cpu_decode_layers``) with a window = the layer on PyTorch ops with the torch backend."""
+    """The compiled decode step (``DecodeStack``) with a window = the layer on PyTorch ops with the torch backend."""
     from paged_runtime.layers.linear import UnquantizedLinearMethod
-    from paged_runtime.layers.ops import CpuKernelOps, TorchOps
+    from paged_runtime.kernels.cpu import DecodeStack
+    from paged_runtime.layers.ops import TorchOps
     from paged_runtime.layers.rotary import RotaryEmbedding
     from paged_runtime.models.config import ModelConfig
     from paged_runtime.models.llama import LlamaDecoderLayer
@@ -130,9 +131,9 @@ def test_fused_decode_layer_slides(window):
     ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, torch.float32),
                                 torch_backend.build_metadata(batch, device))
     meta = cpu_backend.build_metadata(batch, device)
-    weights, layout = layer.fused_weights()
-    CpuKernelOps.decoder_layers(x, residual, (weights, layout, [window]), [kv_cache], [], meta, (rope.cos, rope.sin),
-                                6, 16 ** -0.5, 1e-6)
+    layer.self_attn.attn.kv_cache = kv_cache
+    DecodeStack([layer.describe()], torch.float32).run(x, residual, positions, meta.slot_mapping,
+                                                       meta.decode_rows.block_tables, meta.decode_rows.context_lens, 16)
     assert torch.allclose(kv_cache, ref_cache, atol=1e-5)
     assert torch.allclose(residual, ref_residual, atol=1e-5)
     assert torch.allclose(x, ref_x, rtol=1e-4, atol=1e-4)

@@ -119,23 +119,36 @@ def test_attention_reads_strided_query_rows():
     assert torch.allclose(out, gathered_attention(q, kv_cache, tables, lens, block_size, 0.125), atol=1e-5)
 
 
-def _decode_layer_case(dtype, rows, method=None, parts=None):
-    """A Llama decoder layer (hidden 96, 6 query / 2 KV heads of 16, intermediate 160) with random weights
-    (``parts(name, rows, k) -> (blocks, type id)``: GGUF blocks of each part for ``method``), ``rows``
-    decode rows over ragged contexts; returns (layer, rope, the op's step arguments, the PyTorch path's
-    x, residual and cache after the step, the op's inputs)."""
+# Each family's layer the compiled decode step describes differently: Llama (qkv bias), Qwen3 (q/k norms),
+# Gemma 3 (four (1 + w) norms, q/k norms, GeGLU, its query scale), Phi-3 (partial rotary: 12 of 16 dims).
+_SHAPE = {"vocab_size": 100, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1,
+          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6}
+_FAMILIES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "attention_bias": True},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"]},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "query_pre_attn_scalar": 24, "sliding_window": 64,
+               "layer_types": ["full_attention"]},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75},
+}
+
+
+def _decode_layer_case(dtype, rows, method=None, parts=None, family="llama"):
+    """A decoder layer of ``family`` (hidden 96, 6 query / 2 KV heads of 16, intermediate 160) with random
+    weights (``parts(name, rows, k) -> (blocks, type id)``: GGUF blocks of each part for ``method``), ``rows``
+    decode rows over ragged contexts; returns (layer, the step's index arguments, the PyTorch path's x,
+    residual and cache after the step, the step's inputs)."""
     from paged_runtime.attention.torch_backend import AttentionMetadata, decode_group
-    from paged_runtime.layers.linear import UnquantizedLinearMethod
+    from paged_runtime.layers.linear import SINGLE, UnquantizedLinearMethod
     from paged_runtime.layers.rotary import RotaryEmbedding
     from paged_runtime.models.config import ModelConfig
+    from paged_runtime.models.gemma3 import Gemma3DecoderLayer
     from paged_runtime.models.llama import LlamaDecoderLayer
-    config = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 96, "intermediate_size": 160,
-        "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "attention_bias": True})
+    from paged_runtime.models.qwen3 import Qwen3DecoderLayer
+    layer_class = {"qwen3": Qwen3DecoderLayer, "gemma3": Gemma3DecoderLayer}.get(family, LlamaDecoderLayer)
+    config = ModelConfig.from_dict(_SHAPE | _FAMILIES[family])
     cpu_device, ops = torch.device("cpu"), TorchOps()
-    rope = RotaryEmbedding(16, 512, config.rope_theta, None, ops, cpu_device)
-    layer = LlamaDecoderLayer(config, rope, ops, method or UnquantizedLinearMethod(ops), dtype, cpu_device)
+    rope = RotaryEmbedding(16, 512, config.rope_theta, config.rope_scaling, ops, cpu_device)
+    layer = layer_class(config, rope, ops, method or UnquantizedLinearMethod(ops), dtype, cpu_device, SINGLE, 0)
     g = torch.Generator().manual_seed(rows)
     for p in layer.parameters():
         if p.dtype == dtype:
@@ -161,22 +174,33 @@ def _decode_layer_case(dtype, rows, method=None, parts=None):
     meta = AttentionMetadata(slots, [decode_group(0, gather, lens)], [])
     layer.self_attn.attn.kv_cache = ref_cache = kv_cache.clone()
     ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
-    step = (positions, slots, tables, lens, rope.cos, rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
-    return layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache)
+    layer.self_attn.attn.kv_cache = kv_cache  # the step's own: described with the layer
+    return layer, (positions, slots, tables, lens, block_size), (ref_x, ref_residual, ref_cache), (x, residual,
+                                                                                                  kv_cache)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
-def test_fused_decode_layer_matches_the_layer_on_pytorch_ops(dtype, rows):
-    """One ``cpu_decode_layer`` op = LlamaDecoderLayer.forward on TorchOps: output, residual and stored K/V."""
-    layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache) = _decode_layer_case(dtype, rows)
-    cpu.cpu_decode_layer(x, residual, kv_cache, *layer.fused_weights(), *step)
+def _run_stack(descriptions, dtype, x, residual, step) -> None:
+    cpu.DecodeStack(descriptions, dtype).run(x, residual, *step)
+
+
+def _assert_step_matches(dtype, refs, outs) -> None:
+    (ref_x, ref_residual, ref_cache), (x, residual, kv_cache) = refs, outs
     assert close(kv_cache, ref_cache, dtype)
     assert close(residual, ref_residual, dtype)
     if dtype == torch.float32:
         assert close(x, ref_x, dtype)
     else:  # a whole layer of bfloat16 roundings, taken in a different summation order: a few steps apart
         assert (x.float() - ref_x.float()).abs().max() <= 2 ** -5 * ref_x.float().abs().max()
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_the_compiled_decode_step_matches_the_layer_on_pytorch_ops(family, dtype, rows):
+    """One layer's description run in C = its forward on TorchOps: output, residual and stored K/V."""
+    layer, step, refs, (x, residual, kv_cache) = _decode_layer_case(dtype, rows, family=family)
+    _run_stack([layer.describe()], dtype, x, residual, step)
+    _assert_step_matches(dtype, refs, (x, residual, kv_cache))
 
 
 # Five 32-weight types over the layer's matrices; q and k in one type, v in another: qkv is two parts.
@@ -186,11 +210,10 @@ _GGUF_LAYER_TYPES = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_0", 0: "Q5_
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("repack", [True, False])
-def test_fused_decode_layer_takes_gguf_blocks(dtype, rows, repack):
-    """The one-op layer reads GGUF parts (a two-part qkv of mixed types too; repacked x8 parts beside the
-    file's) as the GGUF method multiplies them, ``cpu_gguf_linear``: the same layer, its linears on the GGUF
-    kernels and the rest on PyTorch ops, gives what the op gives, within the rounding of the PyTorch ops
-    alone."""
+def test_the_compiled_decode_step_takes_gguf_blocks(dtype, rows, repack):
+    """The step reads GGUF parts (a two-part qkv of mixed types too; repacked x8 parts beside the file's) as
+    the GGUF method multiplies them, ``cpu_gguf_linear``: the same layer, its linears on the GGUF kernels and
+    the rest on PyTorch ops, gives what the step gives, within the rounding of the PyTorch ops alone."""
     import numpy as np
     from paged_runtime.kernels.gguf_types import gguf_type, row_bytes
     from paged_runtime.layers.quantization.gguf import GGUFLinearMethod
@@ -205,27 +228,29 @@ def test_fused_decode_layer_takes_gguf_blocks(dtype, rows, repack):
             blocks[:, 2:4] = np.full((len(blocks), 1), -0.15, np.float16).view(np.uint8)  # and its min
         return torch.from_numpy(raw), t.id
 
-    layer, step, (ref_x, ref_residual, ref_cache), (x, residual, kv_cache) = _decode_layer_case(
-        dtype, rows, GGUFLinearMethod(cpu, repack=repack), parts)
-    weights, layout = layer.fused_weights()
+    layer, step, refs, (x, residual, kv_cache) = _decode_layer_case(dtype, rows, GGUFLinearMethod(cpu, repack=repack),
+                                                                    parts)
+    description = layer.describe()
     x8 = 256 if repack else 0  # Q4_0, Q4_1 and Q8_0 repack (their rows are whole groups of 8); Q5s do not
-    assert layout[:4] == [2, 1, 1, 1] and set(layout[4:]) == {6, 7, 2 | x8, 3 | x8, 8 | x8}
-    cpu.cpu_decode_layer(x, residual, kv_cache, weights, layout, *step)
-    assert close(kv_cache, ref_cache, dtype)
-    assert close(residual, ref_residual, dtype)
-    if dtype == torch.float32:
-        assert close(x, ref_x, dtype)
-    else:
-        assert (x.float() - ref_x.float()).abs().max() <= 2 ** -5 * ref_x.float().abs().max()
+    types = [t for m in (description.qkv, description.o, description.gate_up, description.down) for _, t in m.parts]
+    assert len(description.qkv.parts) == 2 and set(types) == {6, 7, 2 | x8, 3 | x8, 8 | x8}
+    _run_stack([description], dtype, x, residual, step)
+    _assert_step_matches(dtype, refs, (x, residual, kv_cache))
 
 
-def test_fused_decode_layer_refuses_a_layout_its_weights_do_not_match():
+def test_the_compiled_decode_step_refuses_a_description_its_weights_do_not_match():
+    import dataclasses
+    from paged_runtime.layers.decode_plan import MatrixDescription
     layer, step, _, (x, residual, kv_cache) = _decode_layer_case(torch.float32, 1)
-    weights, layout = layer.fused_weights()
-    with pytest.raises(ValueError, match="layout"):
-        cpu.cpu_decode_layer(x, residual, kv_cache, weights, [2, 1, 1, 1] + layout[4:], *step)
-    with pytest.raises(ValueError, match="uint8"):  # a plain matrix called Q4_0 blocks
-        cpu.cpu_decode_layer(x, residual, kv_cache, weights, layout[:4] + [2] + layout[5:], *step)
+    d = layer.describe()
+    four = MatrixDescription(d.qkv.parts * 4, d.qkv.bias)
+    with pytest.raises(ValueError, match="1..3 parts"):
+        cpu.DecodeStack([dataclasses.replace(d, qkv=four)], torch.float32)
+    o_as_blocks = MatrixDescription(((d.o.parts[0][0], 2),))  # a plain matrix called Q4_0 blocks
+    with pytest.raises(ValueError, match="uint8"):
+        cpu.DecodeStack([dataclasses.replace(d, o=o_as_blocks)], torch.float32)
+    with pytest.raises(ValueError, match="float32 \\[positions, 8\\]"):  # tables of 16 dims said to rotate 8
+        cpu.DecodeStack([dataclasses.replace(d, rot=8)], torch.float32)
 
 
 @pytest.mark.slow

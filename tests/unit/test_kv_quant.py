@@ -124,8 +124,8 @@ def test_c_kernel_refuses_an_8_bit_cache_without_its_scales():
 @kernels
 @pytest.mark.parametrize("name", QUANTIZED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_layer_stores_the_same_8_bit_cache_as_torch(name, dtype):
-    """The one-op layer quantizes its K/V exactly as ``kv_quant.store`` (same bits, same scales) and attends
+def test_the_compiled_decode_step_stores_the_same_8_bit_cache_as_torch(name, dtype):
+    """The compiled decode step quantizes its K/V exactly as ``kv_quant.store`` (same bits, same scales) and attends
     as the layer on PyTorch ops does over the same 8-bit cache."""
     from paged_runtime.layers.linear import UnquantizedLinearMethod
     from paged_runtime.layers.ops import TorchOps
@@ -156,10 +156,11 @@ def test_fused_decode_layer_stores_the_same_8_bit_cache_as_torch(name, dtype):
     ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
 
     plain = torch.zeros(cache.shape, dtype=dtype)  # the same layer with a model-dtype cache: the K/V it stores
-    cpu.cpu_decode_layer(x.clone(), residual.clone(), plain, *layer.fused_weights(), positions, slots, tables, lens,
-                         rope.cos, rope.sin, block_size, 6, 16 ** -0.5, 1e-6)
-    cpu.cpu_decode_layer(x, residual, cache, *layer.fused_weights(), positions, slots, tables, lens, rope.cos,
-                         rope.sin, block_size, 6, 16 ** -0.5, 1e-6, kv_scale=scale)
+    step = (positions, slots, tables, lens, block_size)
+    attn.kv_cache, attn.kv_scale = plain, None
+    cpu.DecodeStack([layer.describe()], dtype).run(x.clone(), residual.clone(), *step)
+    attn.kv_cache, attn.kv_scale = cache, scale
+    cpu.DecodeStack([layer.describe()], dtype).run(x, residual, *step)
     want, want_scale = kv_quant.quantize(plain[slots], cache, scale)
     assert torch.equal(kv_quant.as_bytes(cache[slots]), kv_quant.as_bytes(want))  # quantized bit for bit
     if want_scale is not None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from paged_runtime.layers.decode_plan import Undescribable
 from paged_runtime.layers.linear import TensorParallel
 from paged_runtime.layers.moe import FusedMoE, select_experts
 from paged_runtime.layers.ops import TorchOps
@@ -220,5 +221,7 @@ def test_published_moe_configs_build_their_experts(name, experts, w13, top_k, re
     model = registry.family(c.architecture).model_class(c, 4096, torch.bfloat16, torch.device("meta"))
     moe = model.layers[1].mlp.experts
     assert (moe.num_experts, tuple(moe.w13_weight.shape), moe.top_k) == (experts, w13, top_k)
-    assert (moe.renormalize, moe.fp32_routing_weights, model.fusable) == (renormalize, fp32_weights, False)
+    assert (moe.renormalize, moe.fp32_routing_weights) == (renormalize, fp32_weights)
+    with pytest.raises(Undescribable):  # experts (and OLMoE's q/k norms) run op by op
+        model.describe_decoder_layers()
     assert c.sliding_window is None

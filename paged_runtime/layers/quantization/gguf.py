@@ -41,13 +41,11 @@ class GGUFLinearMethod(LinearMethod):
         # (file tensor, its packing): a tied embedding and LM head pack once; weak, so the file's bytes go
         self._packed_of: list[tuple[weakref.ref, tuple[torch.Tensor, int]]] = []
 
-    @property
-    def fusable(self) -> bool:
-        """The one-op decoder layer multiplies blocks as ``cpu_gguf_linear`` does (the same bits), so it
-        takes them wherever these kernels run."""
-        return self.kernels is not None
-
-    def fused_parts(self, layer: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    def describe(self, layer: nn.Module) -> list[tuple[torch.Tensor, int]] | None:
+        """The compiled decode step multiplies blocks as ``cpu_gguf_linear`` does (the same bits), so it takes
+        them wherever these kernels run."""
+        if self.kernels is None:
+            return None
         return [(raw, kernel_id) for _, kernel_id, raw in self.segments(layer)]
 
     def vocab_method(self) -> LinearMethod:
