@@ -408,67 +408,46 @@ void pr_rope(void *qk, int64_t row_stride, const int64_t *positions, const float
     for (int64_t m = 0; m < M; m++) rope_row(qk, row_stride, positions[m], cos_table, sin_table, m, heads, dim, dim, dt);
 }
 
-/* ---- SwiGLU: out = dt(silu(gate)) * up, gate and up the two halves of each row ------------------ */
+/* ---- gated MLP activations: out = dt(act(gate)) * up, gate and up the two halves of each row -------------- */
 
-static inline float silu_mul_one(float g, float u, int dt) { return rnd(rnd(g / (1.f + expf(-g)), dt) * u, dt); }
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* SwiGLU (Llama), GeGLU (Gemma; TorchOps.gelu_tanh_mul) */
+
+/* gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as PyTorch's
+ * approximate="tanh". */
+static inline float gelu_tanh(float x) {
+    float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(z));
+}
+
+static inline float act_one(float g, int act) { return act == ACT_GELU_TANH ? gelu_tanh(g) : g / (1.f + expf(-g)); }
+
+#ifdef VEC16
+static inline V16 act16(V16 g, int act) {
+    V16 one = v16_set1(1.f);
+    if (act != ACT_GELU_TANH) return v16_div(g, v16_add(one, exp16(v16_sub(v16_zero(), g))));
+    /* tanh(z) = 1 - 2 / (exp(2 z) + 1) */
+    V16 z = v16_mul(v16_set1(0.7978845608028654f), v16_fmadd(v16_mul(v16_set1(0.044715f), v16_mul(g, g)), g, g));
+    V16 t = v16_sub(one, v16_div(v16_set1(2.f), v16_add(exp16(v16_mul(v16_set1(2.f), z)), one)));
+    return v16_mul(v16_mul(v16_set1(0.5f), g), v16_add(one, t));
+}
+#endif
 
 /* Elements [begin, end) of the flattened [M, I] output; fp32 copies to xf when given. */
-static void silu_mul_range(const void *gate_up, void *out, float *xf, int64_t begin, int64_t end, int64_t I,
-                           int dt) {
+static void gated_range(const void *gate_up, void *out, float *xf, int64_t begin, int64_t end, int64_t I, int dt,
+                        int act) {
     for (int64_t m = begin / I; m * I < end; m++) {
         int64_t i = begin > m * I ? begin - m * I : 0, stop = end < (m + 1) * I ? end - m * I : I;
         const int64_t gate = m * 2 * I, up = gate + I;
 #ifdef VEC16
         for (; i + 16 <= stop; i += 16) {
-            V16 g = load16(gate_up, gate + i, dt), one = v16_set1(1.f);
-            V16 s = round16(v16_div(g, v16_add(one, exp16(v16_sub(v16_zero(), g)))), dt);
+            V16 s = round16(act16(load16(gate_up, gate + i, dt), act), dt);
             V16 v = round16(v16_mul(s, load16(gate_up, up + i, dt)), dt);
             if (out) store16(out, m * I + i, v, dt);
             if (xf) v16_storef(xf + m * I + i, v);
         }
 #endif
         for (; i < stop; i++) {
-            float v = silu_mul_one(load(gate_up, gate + i, dt), load(gate_up, up + i, dt), dt);
-            if (out) store(out, m * I + i, v, dt);
-            if (xf) xf[m * I + i] = v;
-        }
-    }
-}
-
-/* ---- GeGLU: out = dt(gelu_tanh(gate)) * up (Gemma's MLP; TorchOps.gelu_tanh_mul) ------------------------ */
-
-/* gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as PyTorch's
- * approximate="tanh"; tanh(z) = 1 - 2 / (exp(2 z) + 1). */
-static inline float gelu_tanh(float x) {
-    float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.f + tanhf(z));
-}
-
-#ifdef VEC16
-static inline V16 gelu_tanh16(V16 x) {
-    V16 z = v16_mul(v16_set1(0.7978845608028654f), v16_fmadd(v16_mul(v16_set1(0.044715f), v16_mul(x, x)), x, x));
-    V16 e = exp16(v16_mul(v16_set1(2.f), z)), one = v16_set1(1.f);
-    V16 t = v16_sub(one, v16_div(v16_set1(2.f), v16_add(e, one)));
-    return v16_mul(v16_mul(v16_set1(0.5f), x), v16_add(one, t));
-}
-#endif
-
-/* As silu_mul_range, with gelu_tanh for silu. */
-static void gelu_mul_range(const void *gate_up, void *out, float *xf, int64_t begin, int64_t end, int64_t I,
-                           int dt) {
-    for (int64_t m = begin / I; m * I < end; m++) {
-        int64_t i = begin > m * I ? begin - m * I : 0, stop = end < (m + 1) * I ? end - m * I : I;
-        const int64_t gate = m * 2 * I, up = gate + I;
-#ifdef VEC16
-        for (; i + 16 <= stop; i += 16) {
-            V16 g = round16(gelu_tanh16(load16(gate_up, gate + i, dt)), dt);
-            V16 v = round16(v16_mul(g, load16(gate_up, up + i, dt)), dt);
-            if (out) store16(out, m * I + i, v, dt);
-            if (xf) v16_storef(xf + m * I + i, v);
-        }
-#endif
-        for (; i < stop; i++) {
-            float v = rnd(rnd(gelu_tanh(load(gate_up, gate + i, dt)), dt) * load(gate_up, up + i, dt), dt);
+            float v = rnd(rnd(act_one(load(gate_up, gate + i, dt), act), dt) * load(gate_up, up + i, dt), dt);
             if (out) store(out, m * I + i, v, dt);
             if (xf) xf[m * I + i] = v;
         }
@@ -480,7 +459,7 @@ void pr_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int dt) {
     {
         int64_t begin, end;
         thread_range(M * I, &begin, &end);
-        silu_mul_range(gate_up, out, NULL, begin, end, I, dt);
+        gated_range(gate_up, out, NULL, begin, end, I, dt, ACT_SILU);
     }
 }
 
@@ -1750,8 +1729,6 @@ typedef struct {
     int64_t kind;
 } Norm;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the MLP's gate: SwiGLU (Llama), GeGLU (Gemma) */
-
 /* A decoder layer as the model describes it (layers/decode_plan.py: the same fields, the contract). With the
  * residual carried beside the stream: attn_norm(residual += x) -> qkv (+ bias) -> per-head q_norm / k_norm ->
  * RoPE -> store K/V -> attention -> o -> attn_out_norm -> mlp_norm(residual += that) -> gate_up -> the
@@ -1844,10 +1821,9 @@ static void norm_heads(const LayerWeights *W, const Paged *P, char *row, int64_t
 
 /* The activation's share of the calling thread (every thread calls it), into xf. */
 static void activate_part(const LayerWeights *W, const void *gate_up, float *xf, int64_t M, int dt) {
-    int64_t begin, end, I = W->intermediate;
-    thread_range(M * I, &begin, &end);
-    if (W->activation == ACT_GELU_TANH) gelu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
-    else silu_mul_range(gate_up, NULL, xf, begin, end, I, dt);
+    int64_t begin, end;
+    thread_range(M * W->intermediate, &begin, &end);
+    gated_range(gate_up, NULL, xf, begin, end, W->intermediate, dt, (int)W->activation);
 }
 
 /* x (this layer's input, the previous layer's output) is replaced by this layer's output; residual
