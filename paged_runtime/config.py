@@ -25,6 +25,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compress
 # --kv-cache-dtype: the paged cache's elements (kernels/kv_quant.CACHE_DTYPES maps each name)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # core/scheduler.py orders by each
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # attention/__init__.py's BUILDERS
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # entrypoints/openai/tool_parsers.TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # entrypoints/openai/reasoning_parsers.REASONING_PARSERS
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -105,7 +106,7 @@ class EngineConfig:
         None, "the compiled CPU kernels: None picks them where the CPU has their vector paths (AVX-512, or AVX2 + "
         "FMA + F16C); True / False force them on / off", env=("PAGED_RUNTIME_CPU_KERNELS",), parse=parse_switch)
     attention_backend: str | None = setting(None, "torch, cpu or triton instead of the automatic choice",
-                                            choices=("torch", "cpu", "triton"),
+                                            choices=ATTENTION_BACKENDS,
                                             env=("PAGED_RUNTIME_ATTENTION_BACKEND",))
     tensor_parallel_size: int = setting(1, "split each layer over this many devices (one worker process each)",
                                         ge=1, aliases=("-tp",), hf_aliases=("--tensor_parallel_size",),

@@ -143,3 +143,15 @@ def test_the_schema_modules_import_no_torch():
     code = ("import sys; import paged_runtime.config, paged_runtime.settings, rayserve_adapter.args; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_implementations_serve_exactly_the_declared_choices():
+    """Each choice is declared once, in the settings; the modules that implement them cover exactly those."""
+    from paged_runtime import config
+    from paged_runtime.attention import BUILDERS
+    from paged_runtime.core.scheduler import SCHEDULING_POLICIES
+    from paged_runtime.kernels.kv_quant import CACHE_DTYPES
+    from paged_runtime.layers.quantization import NAMES
+    assert set(SCHEDULING_POLICIES) == set(config.SCHEDULING_POLICIES)
+    assert set(BUILDERS) == set(config.ATTENTION_BACKENDS)
+    assert tuple(CACHE_DTYPES) == config.KV_CACHE_DTYPES and NAMES == config.QUANTIZATIONS
