@@ -101,7 +101,8 @@ def test_shutdown_leaves_no_worker_process(tiny_llama_dir):
     (dict(tensor_parallel_size=3), "sizes that work: 1, 2, 4"),
     (dict(pipeline_parallel_size=3), "use at most 2"),
     (dict(tensor_parallel_size=2, async_scheduling=True), "async_scheduling needs one device"),
-    (dict(tensor_parallel_size=2, distributed_executor_backend="slurm"), "must be mp or ray"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="slurm"),
+     "distributed_executor_backend must be one of mp, ray; got .slurm."),
 ])
 def test_sizes_the_model_cannot_take_are_refused_before_any_worker_starts(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
