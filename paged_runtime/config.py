@@ -155,7 +155,6 @@ class EngineConfig:
         return from_source(cls, source, **overrides)
 
 
-
 @dataclass
 class ServerConfig:
     """The HTTP front's settings: the OpenAI routes' edge, auth, backpressure, shutdown and logging, shared by
@@ -172,8 +171,8 @@ class ServerConfig:
         "with an error", ge=0, group="server")
     max_request_body_bytes: int = setting(DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413 (e.g. "
                                           "16MiB)", ge=1, parse=parse_bytes, group="server")
-    max_prompts_per_request: int = setting(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts in one /v1/completions 'prompt' list (each is one "
-                                                "engine request)", ge=1, group="server")
+    max_prompts_per_request: int = setting(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts in one /v1/completions "
+                                           "'prompt' list (each is one engine request)", ge=1, group="server")
     allowed_origins: list[str] | None = setting(
         None, "enable CORS for exactly these origins (e.g. https://app.example.com, or vLLM's JSON list "
         "'[\"https://a\"]'); None: no CORS", metavar="ORIGIN", action=ExtendOrigins, group="server")

@@ -35,8 +35,9 @@ _NO_DEFAULT = dataclasses.MISSING
 
 @dataclass(frozen=True)
 class Setting:
-    """How one config field is offered and checked (the field itself holds the name, type and default)."""
+    """How one config field is offered and checked (the field itself holds the name and type)."""
     help: str
+    default: Any = None  # the value when no environment variable (``env``) is set
     group: str = "engine"  # the --help section ("engine", "server", ...)
     choices: tuple[str, ...] | None = None
     ge: float | None = None  # bounds: value >= ge, value > gt, value <= le (None: unbounded)
@@ -55,31 +56,25 @@ class Setting:
 def setting(default: Any = None, help: str = "", **kwargs: Any) -> Any:
     """A config field: ``default`` (or the first of ``env`` that is set, read through ``parse``) and its
     ``Setting``. Use as ``name: type = setting(default, "help", ...)`` in a dataclass."""
-    spec = Setting(help, **kwargs)
+    spec = Setting(help, default, **kwargs)
     metadata = {"setting": spec}
     if spec.env:
-        return dataclasses.field(default_factory=lambda: env_default(spec, default), metadata=metadata)
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+        return dataclasses.field(default_factory=lambda: env_default(spec), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def env_default(spec: Setting, default: Any) -> Any:
+def env_default(spec: Setting) -> Any:
     for name in spec.env:
         text = os.environ.get(name)
         if text:
             return spec.parse(text) if spec.parse else text
-    return default
+    return spec.default
 
 
 def settings_of(cls: type) -> list[tuple[dataclasses.Field, Setting, Any]]:
     """(field, setting, type) of every declared setting of dataclass ``cls``, in declaration order."""
     hints = typing.get_type_hints(cls)
     return [(f, f.metadata["setting"], hints[f.name]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
-
-
-def default_of(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default_factory is not _NO_DEFAULT else f.default
 
 
 # ---- checking ----------------------------------------------------------------------------------------------
@@ -148,29 +143,28 @@ def _checked_parser(name: str, spec: Setting, parse: Callable[[str], Any]) -> Ca
     return parse_flag
 
 
-def _help(f: dataclasses.Field, spec: Setting) -> str:
+def _help(spec: Setting) -> str:
     if spec.secret:
         shown = "$" + ", else $".join(spec.env) if spec.env else "none"
     else:
-        default = f.default if f.default_factory is _NO_DEFAULT or spec.env else default_of(f)
-        shown = repr(default) if isinstance(default, str) else str(default)
+        shown = repr(spec.default) if isinstance(spec.default, str) else str(spec.default)
         if spec.env:
             shown = f"${' or $'.join(spec.env)}, else {shown}"
     return f"{spec.help} (default: {shown})".replace("%", "%%")
 
 
 def add_arguments(parser: argparse.ArgumentParser, classes: tuple[type, ...], front_end: str,
-                  groups: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> None:
+                  groups: dict[str, Any] | None = None) -> None:
     """Flags for every setting of ``classes`` that ``front_end`` shows, in argument groups by ``Setting.group``
     (``groups`` may hand in groups the caller made). An absent flag sets nothing: the field keeps its default."""
     groups = groups if groups is not None else {}
     for cls in classes:
         for f, spec, annotation in settings_of(cls):
-            if front_end not in spec.front_ends or f.name in skip:
+            if front_end not in spec.front_ends:
                 continue
             group = groups.get(spec.group) or groups.setdefault(spec.group, parser.add_argument_group(spec.group))
             names = [flag_name(f.name), *spec.aliases, *(spec.hf_aliases if front_end == "kserve" else ())]
-            group.add_argument(*names, dest=f.name, default=argparse.SUPPRESS, help=_help(f, spec),
+            group.add_argument(*names, dest=f.name, default=argparse.SUPPRESS, help=_help(spec),
                                **_argparse_kind(f.name, spec, annotation))
 
 
@@ -203,9 +197,9 @@ def pydantic_fields(classes: tuple[type, ...], front_end: str = "ray") -> dict[s
     for cls in classes:
         for f, spec, annotation in settings_of(cls):
             if front_end in spec.front_ends:
-                # The field's own default, made when a model is (an environment variable is read then)
-                field = Field(default_factory=lambda f=f: default_of(f), description=spec.help) \
-                    if f.default_factory is not _NO_DEFAULT else Field(default=f.default, description=spec.help)
+                # An environment-backed default is read when a model is made, as the dataclass reads it
+                field = Field(default_factory=lambda spec=spec: env_default(spec), description=spec.help) \
+                    if spec.env else Field(default=spec.default, description=spec.help)
                 fields[f.name] = (_wire_type(spec, annotation), field)
     return fields
 

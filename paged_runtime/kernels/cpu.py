@@ -162,15 +162,18 @@ def isa() -> str:
     name = os.environ.get(ISA_ENV) or "auto"
     if name not in ISAS:
         raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}; got {name!r}")
-    missing = sorted(set(ISAS[name][1]) - set(_cpu_flags().split()))
-    if missing:
-        raise ValueError(f"{ISA_ENV}={name}: this CPU lacks {', '.join(missing)}")
+    if not cpu_has(name):
+        raise ValueError(f"{ISA_ENV}={name}: this CPU lacks {', '.join(_lacking(name))}")
     return name
+
+
+def _lacking(name: str) -> list[str]:
+    return sorted(set(ISAS[name][1]) - set(_cpu_flags().split()))
 
 
 def cpu_has(name: str) -> bool:
     """Whether this CPU can run the kernels built for ISA ``name``."""
-    return set(ISAS[name][1]) <= set(_cpu_flags().split())
+    return not _lacking(name)
 
 
 def _build_flags() -> list[str]:
@@ -192,7 +195,8 @@ class _Untrusted(Exception):
 def library_path(cache_dir: str | Path, compiler: str | None = None) -> Path:
     """Where ``load(cache_dir)`` keeps the library for this source, compiler and CPU."""
     compiler = compiler or _compiler() or ""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_build_flags(), _cpu_flags()]).encode()).hexdigest()[:16]
+    text = "\0".join([SOURCE.read_text(), compiler, *_build_flags(), _cpu_flags()])
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return Path(cache_dir) / KERNELS_FOLDER / f"cpu_ops-{key}.so"
 
 
@@ -528,7 +532,7 @@ class DecodeStack:
         self.dtype, self.heads, self.kv_heads, self.dim = dtype, first.heads, first.kv_heads, first.head_dim
         self.kv_dt = KV_DTYPES.get(first.kv_cache.dtype, 0)
         self.layers = layers  # keeps every tensor the array points into alive
-        self.weights = [_layer_weights(d, dtype) for d in layers]
+        self.weights = [_layer_weights(d, dtype) for d in layers]  # the structs the array's pointers name
         self.array = (_StackLayer * len(layers))(*(_stack_layer(d, w) for d, w in zip(layers, self.weights)))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

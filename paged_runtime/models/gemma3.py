@@ -136,17 +136,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.lm_head is not None:
             self.lm_head.softcap = config.raw.get("final_logit_softcapping")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, decoder=None) -> torch.Tensor | None:
-        """Flat batch of tokens in, final hidden states out ([num_tokens, hidden]); see Llama's for stages and
-        ``decoder``."""
-        x, residual = self.stage_input(input_ids)
-        if decoder is not None:
-            x, residual = decoder(x, residual, positions, meta)
-            return self.stage_output(x, residual)
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Llama's, each layer rotated by its kind's tables (each kind's rotation gathered once a step)."""
         ropes = {kind: rotary.inputs(positions, x.dtype) for kind, rotary in self.rotaries.items()}
         for i in self.held:
             x, residual = self.layers[i](x, residual, ropes[self.layer_kinds[i]], meta)
-        return self.stage_output(x, residual)
+        return x, residual
 
 
 # ---- config.json -------------------------------------------------------------------------

@@ -149,13 +149,16 @@ class LlamaForCausalLM(nn.Module):
         the runner's compiled decode step for this step (``worker/cpu_decode_plan.py``), which runs the layers
         instead of the loop below. A pipeline stage before the last sends its output on and returns None."""
         x, residual = self.stage_input(input_ids)
-        if decoder is not None:
-            x, residual = decoder(x, residual, positions, meta)
-        else:
-            rope = self.rotary.inputs(positions, x.dtype)
-            for i in self.held:
-                x, residual = self.layers[i](x, residual, rope, meta)
+        x, residual = (decoder or self.run_layers)(x, residual, positions, meta)
         return self.stage_output(x, residual)
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held decoder layers op by op: (x, residual) entering the first -> leaving the last."""
+        rope = self.rotary.inputs(positions, x.dtype)
+        for i in self.held:
+            x, residual = self.layers[i](x, residual, rope, meta)
+        return x, residual
 
     def describe_decoder_layers(self) -> list[LayerDescription]:
         """Every held decoder layer as data, for the compiled decode step (``layers/decode_plan.py``); call it

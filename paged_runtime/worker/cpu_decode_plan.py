@@ -42,7 +42,7 @@ class CpuDecodePlan:
 
     def decoder(self, meta):
         """What the model's forward runs its layers with for this step (``run``), or None: op by op."""
-        if getattr(meta, "rows_only", False) and meta.num_tokens <= self.max_rows:
+        if meta.rows_only and meta.num_tokens <= self.max_rows:
             return self.run
         return None
 

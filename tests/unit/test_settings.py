@@ -77,7 +77,7 @@ def sample(f: dataclasses.Field, spec, annotation) -> tuple[str, object] | None:
         value = int(max(spec.ge or 1, spec.gt or 0, default or 0)) + 3
         return str(value), value
     if base is float:
-        value = (spec.le or 2 * (default or 1)) * 0.5 if spec.le else (default or 1) + 0.5
+        value = spec.le / 2 if spec.le else (default or 1) + 0.5
         return str(value), value
     return None
 
@@ -136,6 +136,8 @@ def test_help_never_shows_a_secret(monkeypatch):
     out = subprocess.run([sys.executable, "-m", "paged_runtime", "serve", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "s3cret" not in out and "$PAGED_RUNTIME_API_KEY, else $VLLM_API_KEY" in out
+    assert "MISSING" not in out  # an environment-backed setting shows the value it falls back to
+    assert "$PAGED_RUNTIME_CACHE, else '~/.cache/paged_runtime'" in " ".join(out.split())
     assert "engine" in out and "server" in out and "parallelism" in out  # grouped as declared
 
 
