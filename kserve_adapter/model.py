@@ -29,6 +29,7 @@ Inference
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import uuid
@@ -40,6 +41,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from kserve_adapter import protocol
 from paged_runtime.engine.client import EngineClient, RequestStream
+from paged_runtime.entrypoints.openai.access import ApiKeys
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, collect
 from paged_runtime.outputs import RequestOutput
 
@@ -52,14 +54,16 @@ LOAD_GATE_ENV = "KSERVE_ADAPTER_LOAD_GATE"
 
 class PagedRuntimeModel(Model):
     def __init__(self, name: str, served_model_names: Sequence[str], engine_factory: Callable[[], EngineClient],
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, api_keys: ApiKeys | None = None):
         """``engine_factory`` builds the engine (blocking; it runs in a worker thread); ``limits`` bound each
-        request (default: the runtime's defaults)."""
+        request (default: the runtime's defaults); ``api_keys``: the tenant each request's key is (the server's
+        middleware has refused requests without a valid one)."""
         super().__init__(name)
         self.engine = True  # tells ModelServer to run start_engine() on its loop
         self.served_model_names = list(served_model_names)
         self.engine_factory = engine_factory
         self.limits = limits or RequestLimits()
+        self.api_keys = api_keys or ApiKeys()
         self.async_engine: EngineClient | None = None
         self.serving: OpenAIServing | None = None  # the OpenAI routes' request checks, over this engine
         self._stopping = False
@@ -119,7 +123,10 @@ class PagedRuntimeModel(Model):
         if engine is None or serving is None:
             raise ModelNotReady(self.name)
         request_id = f"kserve-{uuid.uuid4().hex}"
-        outputs = await self._generate(engine, request_id, await self._prepare(serving, payload))
+        tenant = self.api_keys.authenticate((headers or {}).get("authorization"))
+        batch = [dataclasses.replace(p, cache_salt=tenant.cache_salt(p.cache_salt))
+                 for p in await self._prepare(serving, payload)]
+        outputs = await self._generate(engine, request_id, batch)
         if isinstance(payload, InferRequest):
             return protocol.v2_response(payload, self.name, outputs, request_id)
         return protocol.v1_response(outputs)

@@ -17,6 +17,7 @@ nesting, CORS only for ``allowed_origins``) are the runtime app's.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from kserve_adapter.model import PagedRuntimeModel
 from paged_runtime.entrypoints.openai import OpenAIError, build_app
+from paged_runtime.entrypoints.openai.access import ApiKeys
 
 OPENAI_PREFIX = "/openai"
 ROOT_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -32,7 +34,8 @@ ROOT_PATHS = ("/v1/completions", "/v1/chat/completions")
 class OpenAIRoutes:
     """An ASGI app: 503 until ``model``'s engine is up, then the runtime's OpenAI app over that engine."""
 
-    def __init__(self, model: PagedRuntimeModel, api_key: str | None = None, **app_options: Any) -> None:
+    def __init__(self, model: PagedRuntimeModel, api_key: str | Sequence[str] | ApiKeys | None = None,
+                 **app_options: Any) -> None:
         """``app_options``: ``build_app``'s edge keywords (``allowed_origins``, ``max_request_body_bytes``,
         ``max_prompts_per_request``), as ``paged-runtime serve`` takes them from its flags."""
         self.model = model

@@ -9,6 +9,15 @@ the rest (OpenAI streams end with an error event and ``[DONE]``, other
 requests get a 503 body); then uvicorn stops, KServe unloads the model and
 the process exits 0. A model that fails to build exits 1.
 
+Access: with ``--api-key``, every route but the probes (``/``, the v2 health
+routes, ``GET /v1/models/NAME``, ``/v2/models/NAME/ready``) and, unless
+``--metrics-require-api-key``, ``/metrics`` needs the key
+(``ApiKeyMiddleware``; the OpenAI routes check it themselves, with their own
+error body); several keys are tenants with prefix caches of their own on
+every route. ``--allowed-hosts`` limits the Host headers answered
+(``access.HostGuard``; bound to a loopback ``--host`` without a key, loopback
+names only).
+
 Request bounds: ``--max-request-body-bytes`` holds for every route
 (``BodyLimitMiddleware``: KServe reads its v1/v2 bodies itself, so the limit
 sits in front of its app; the OpenAI routes check it themselves, with their
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 from fastapi import FastAPI, Request
@@ -36,8 +46,9 @@ from paged_runtime.config import EngineConfig, ServerConfig
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
 from paged_runtime.entrypoints.cli import engine_config, make_engine, server_config
 from paged_runtime.entrypoints.openai import app_options
+from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
-from paged_runtime.entrypoints.openai.errors import payload_too_large
+from paged_runtime.entrypoints.openai.errors import OpenAIError, payload_too_large
 from paged_runtime.entrypoints.openai.serving import RequestLimits
 
 logger = logging.getLogger("kserve_adapter")
@@ -138,6 +149,34 @@ class BodyLimitMiddleware:
         return JSONResponse({"error": payload_too_large(self.max_body_bytes).message}, status_code=413)
 
 
+# KServe's probes: the root, v2 liveness/readiness, v1 model readiness (GET /v1/models/NAME) and v2 model readiness.
+PROBE_PATHS = re.compile(r"^/(?:|v2/health/(?:live|ready)|v1/models/[^/:]+|v2/models/[^/]+(?:/versions/[^/]+)?/ready)$")
+
+
+class ApiKeyMiddleware:
+    """ASGI: KServe's own routes need one of the API keys, except its probes (and ``/metrics`` when
+    ``open_metrics``); a 401 in KServe's error shape otherwise. The OpenAI routes check the key themselves."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, open_metrics: bool) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_metrics = open_metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.is_open(scope["method"], scope["path"]):
+            try:
+                self.keys.authenticate(Headers(scope=scope).get("authorization"))
+            except OpenAIError as e:
+                await JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def is_open(self, method: str, path: str) -> bool:
+        if is_openai_path(path) or (path == "/metrics" and self.open_metrics):
+            return True
+        return method in ("GET", "HEAD") and PROBE_PATHS.match(path) is not None
+
+
 def install_body_limit(app: FastAPI, max_body_bytes: int) -> None:
     """Every request to ``app`` reads at most ``max_body_bytes`` of body (``BodyLimitMiddleware``)."""
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
@@ -185,16 +224,27 @@ def request_limits(server: ServerConfig) -> RequestLimits:
 
 
 def build_model(args: argparse.Namespace, config: EngineConfig, server: ServerConfig) -> PagedRuntimeModel:
-    """The model, with the configured request limits; its engine is built from ``config`` when it starts."""
+    """The model, with the configured request limits and keys; its engine is built from ``config`` when it
+    starts."""
     return PagedRuntimeModel(args.model_name, config.served_model_names, lambda: make_engine(config, server),
-                             request_limits(server))
+                             request_limits(server), ApiKeys.of(server))
+
+
+def install_access(app: FastAPI, keys: ApiKeys, allowed_hosts: list[str] | None, server: ServerConfig) -> None:
+    """The key check on KServe's routes (``ApiKeyMiddleware``), and the Host check on every route where
+    ``allowed_hosts`` is not None (``app_options`` says when)."""
+    if keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, keys=keys, open_metrics=not server.metrics_require_api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostGuard, allowed=allowed_hosts)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config, server = engine_config(args), server_config(args)
-        options = app_options(server)  # a chat option that cannot work fails before the model loads
+        options = app_options(server, bind_host=args.host)  # a chat option that cannot work fails before loading
+        allowed_hosts = options.pop("allowed_hosts")  # checked on KServe's whole app, the OpenAI one included
     except ValueError as e:
         print(f"kserve_adapter: error: {e}", file=sys.stderr)
         return 2
@@ -205,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     mount_openai_routes(kserve_app, OpenAIRoutes(model, **options))
     add_engine_error_handlers(kserve_app)
     install_body_limit(kserve_app, server.max_request_body_bytes)
-    model_server.install_drain(kserve_app)  # outermost: a draining server refuses before reading any body
+    install_access(kserve_app, options["api_key"], allowed_hosts, server)  # before any body is read
+    model_server.install_drain(kserve_app)  # a draining server refuses before reading any body
     try:
         model_server.start([model])
     except Exception:

@@ -161,9 +161,23 @@ class ServerConfig:
     ``paged-runtime serve`` and both adapters (``entrypoints/openai/api.build_app`` takes them)."""
     host: str = setting("127.0.0.1", "address to bind", group="server", front_ends=frozenset({"serve"}))
     port: int = setting(8000, "port to listen on", group="server", ge=0, le=65535, front_ends=frozenset({"serve"}))
-    api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and "
-                                        "/detokenize",
-                                  group="server", env=("PAGED_RUNTIME_API_KEY", "VLLM_API_KEY"), secret=True)
+    api_key: list[str] | None = setting(
+        None, "require 'Authorization: Bearer <key>' with one of these keys on every route but the health, "
+        "readiness, version and (unless --metrics-require-api-key) metrics ones; with two or more keys, each key's "
+        "requests get a prefix cache of their own", group="server", env=("PAGED_RUNTIME_API_KEY", "VLLM_API_KEY"),
+        secret=True, metavar="KEY")
+    api_keys_file: str | None = setting(None, "more API keys, one per line ('#' starts a comment line)",
+                                        metavar="FILE", group="server")
+    share_prefix_cache_across_keys: bool = setting(
+        False, "with several API keys, let their requests share cached prompt blocks (cache hits then show across "
+        "keys)", group="server")
+    enable_prompt_tokens_details: bool = setting(
+        False, "report usage.prompt_tokens_details.cached_tokens (as vLLM; it tells a caller which prompts "
+        "others sent, where callers share the cache)", group="server")
+    allowed_hosts: list[str] | None = setting(
+        None, "Host header names the server answers ('*': any); default: any, except that a server bound to a "
+        "loopback address without an API key answers loopback names only (against DNS rebinding)",
+        metavar="HOST", group="server")
     max_waiting_requests: int | None = setting(
         None, "beyond this many queued requests, answer 503 with Retry-After; None: unbounded", ge=1, group="server")
     shutdown_timeout: float = setting(

@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=server.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         from paged_runtime.entrypoints.openai import app_options
-        options = app_options(server)  # a parser flag that cannot work fails before the model loads
+        options = app_options(server, bind_host=server.host)  # a flag that cannot work fails before loading
         engine = make_engine(config, server)
     except (ValueError, RuntimeError) as e:
         print(f"paged-runtime serve: error: {e}", file=sys.stderr)
@@ -96,7 +96,7 @@ def serve_http(engine, config: EngineConfig, server: ServerConfig, options: dict
     drain = Drain()
     app = build_app(engine, names, model_root=engine.model_root, drain=drain, **options)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d%s)", ", ".join(names), server.host, server.port,
-                engine.max_model_len, ", API key required" if server.api_key else "")
+                engine.max_model_len, ", API key required" if options["api_key"].enabled else "")
     # Every admitted request has its response by the time uvicorn stops: its own grace is a backstop only.
     uvicorn_server = uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port,
                                                    log_level=server.uvicorn_log_level or server.log_level,

@@ -47,12 +47,15 @@ class KServeProcess:
     gate: Path
     log: Path
 
-    def get(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kwargs)
+    def get(self, path: str, auth: bool = True, **kwargs) -> httpx.Response:
+        """GET ``path``, with the API key unless ``auth`` is False."""
+        return httpx.get(self.url + path, headers=AUTH if auth else {}, timeout=30, **kwargs)
 
-    def post(self, path: str, body, headers: dict | None = None, **kwargs) -> httpx.Response:
+    def post(self, path: str, body, headers: dict | None = None, auth: bool = True, **kwargs) -> httpx.Response:
+        """POST ``body`` as JSON, with the API key unless ``auth`` is False."""
         content = json.dumps(body) if isinstance(body, (dict, list)) else body  # bytes, str or chunks
-        return httpx.post(self.url + path, content=content, headers={**JSON, **(headers or {})}, timeout=60, **kwargs)
+        headers = {**JSON, **(AUTH if auth else {}), **(headers or {})}
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=60, **kwargs)
 
     def wait_until(self, path: str, status: int, timeout: float = START_TIMEOUT) -> httpx.Response:
         """Polls GET ``path`` until it answers ``status``; fails if the server exits or the deadline passes."""
@@ -267,9 +270,28 @@ def kserve_openai(kserve_ready):
 
 def test_openai_models_and_auth(kserve_ready, kserve_openai):
     assert [m.id for m in kserve_openai.models.list().data] == [NAME]
-    response = kserve_ready.post("/openai/v1/completions", {"prompt": "hi"})
+    response = kserve_ready.post("/openai/v1/completions", {"prompt": "hi"}, auth=False)
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
-    assert kserve_ready.get("/openai/health").status_code == 200
+    assert kserve_ready.get("/openai/health", auth=False).status_code == 200
+
+
+def test_kserve_routes_need_the_key_and_the_probes_stay_open(kserve_ready):
+    """--api-key guards KServe's v1/v2 inference and metadata routes as it guards the OpenAI ones (a 401 in
+    KServe's error shape); the probes Kubernetes runs, and /metrics, stay open."""
+    v1 = {"instances": [{"prompt": "hi", "max_tokens": 1}]}
+    v2 = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}
+    for method, path, body in [("POST", f"/v1/models/{NAME}:predict", v1), ("POST", f"/v2/models/{NAME}/infer", v2),
+                               ("GET", f"/v2/models/{NAME}", None), ("GET", "/v1/models", None),
+                               ("GET", "/v2", None), ("GET", "/v2/models", None)]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.request(method, kserve_ready.url + path, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (path, headers, response.text)
+            assert response.headers["www-authenticate"] == "Bearer" and "API key" in response.json()["error"]
+    assert kserve_ready.post(f"/v1/models/{NAME}:predict", v1).status_code == 200
+    assert kserve_ready.post(f"/v2/models/{NAME}/infer", v2).status_code == 200
+    for path in ("/", "/v2/health/live", "/v2/health/ready", f"/v1/models/{NAME}", f"/v2/models/{NAME}/ready",
+                 "/metrics", "/openai/health"):
+        assert kserve_ready.get(path, auth=False).status_code == 200, path
 
 
 def test_openai_completions_stream_and_not(kserve_ready, kserve_openai, kserve_reference):

@@ -235,10 +235,13 @@ def test_the_edge_flags_reach_the_openai_app():
     args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3",
                        "--allowed-origins", "https://app.example.com", "--metrics-require-api-key",
                        "--chat-template", "{{ messages[0]['content'] }}", "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--api-key", "k1", "k2",
+                       "--enable-prompt-tokens-details", "--allowed-hosts", "llm.internal"])
+    from paged_runtime.entrypoints.openai.access import ApiKeys
     from paged_runtime.entrypoints.openai.serving_chat import ChatOptions
-    assert app_options(server_config(args)) == {
-        "api_key": None, "allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
+    assert app_options(server_config(args), bind_host=args.host) == {
+        "api_key": ApiKeys(["k1", "k2"]), "allowed_hosts": ["llm.internal"], "enable_prompt_tokens_details": True,
+        "allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
                                   "max_prompts_per_request": 3, "metrics_require_api_key": True,
                                   "chat_template": "{{ messages[0]['content'] }}",
                                   "chat_options": ChatOptions(True, "hermes", "qwen3")}
@@ -305,11 +308,17 @@ class PredictEngine(FakeEngine):
 
     def add_request(self, request_id, prompt, params, priority=0, cache_salt=None):
         self.submitted.append(request_id)
+        self.salts.append(cache_salt)
         return OneTokenStream(request_id, prompt.token_ids)
 
+    @property
+    def salts(self) -> list:
+        return self.__dict__.setdefault("_salts", [])
 
-def started_model(engine: PredictEngine, limits=None) -> PagedRuntimeModel:
-    model = PagedRuntimeModel("m", ["m"], lambda: engine, **({} if limits is None else {"limits": limits}))
+
+def started_model(engine: PredictEngine, limits=None, api_keys=None) -> PagedRuntimeModel:
+    model = PagedRuntimeModel("m", ["m"], lambda: engine, **({} if limits is None else {"limits": limits}),
+                              api_keys=api_keys)
     model.load()
     asyncio.run(model.start_engine())
     return model
@@ -365,8 +374,9 @@ def test_too_many_prompts_per_request_is_invalid_input_naming_the_limit():
     assert asyncio.run(model.predict({"instances": [{"prompt": [1]}] * 2}))["predictions"][1]["text"] == "!"
 
 
-def kserve_client(model: PagedRuntimeModel, max_body_bytes: int) -> TestClient:
-    """KServe's v1/v2 routes and error handlers over ``model``, with the OpenAI routes and the body limit."""
+def kserve_client(model: PagedRuntimeModel, max_body_bytes: int = 2**20, keys=None) -> TestClient:
+    """KServe's v1/v2 routes and error handlers over ``model``, with the OpenAI routes, the body limit and the
+    key check (``keys``)."""
     from kserve.errors import invalid_input_handler
     from kserve.model_repository import ModelRepository
     from kserve.protocol.dataplane import DataPlane
@@ -374,16 +384,42 @@ def kserve_client(model: PagedRuntimeModel, max_body_bytes: int) -> TestClient:
     from kserve.protocol.rest.v1_endpoints import register_v1_endpoints
     from kserve.protocol.rest.v2_endpoints import register_v2_endpoints
     from kserve_adapter.openai_routes import OpenAIRoutes, mount_openai_routes
-    from kserve_adapter.server import install_body_limit
+    from kserve_adapter.server import install_access, install_body_limit
+    from paged_runtime.config import ServerConfig
+    from paged_runtime.entrypoints.openai.access import ApiKeys
+    keys = keys or ApiKeys()
     repository = ModelRepository()
     repository.update(model)
     app = FastAPI()
-    mount_openai_routes(app, OpenAIRoutes(model, max_request_body_bytes=max_body_bytes))
+    mount_openai_routes(app, OpenAIRoutes(model, api_key=keys, max_request_body_bytes=max_body_bytes))
     register_v1_endpoints(app, DataPlane(repository), ModelRepositoryExtension(repository))
     register_v2_endpoints(app, DataPlane(repository), ModelRepositoryExtension(repository))
     app.add_exception_handler(InvalidInput, invalid_input_handler)
     install_body_limit(app, max_body_bytes)
+    install_access(app, keys, None, ServerConfig())
     return TestClient(app)
+
+
+def test_kserve_routes_take_the_key_and_each_key_is_a_tenant():
+    """Without a key v1/v2 answer 401 in KServe's shape; with two keys each one's prompts run under its own
+    prefix-cache salt, the OpenAI routes' as the v1/v2 routes'."""
+    from paged_runtime.entrypoints.openai.access import ApiKeys
+    keys = ApiKeys(["alice", "bob"])
+    engine = PredictEngine()
+    client = kserve_client(started_model(engine, api_keys=keys), keys=keys)
+    v1 = {"instances": [{"prompt": [1, 2], "max_tokens": 1, "cache_salt": "s"}]}
+    for headers in ({}, {"Authorization": "Bearer carol"}):
+        response = client.post("/v1/models/m:predict", json=v1, headers=headers)
+        assert response.status_code == 401 and response.json() == {"error": response.json()["error"]}
+    assert client.get("/v1/models/m").status_code == 200 and client.get("/v2/health/ready").status_code == 200
+    assert engine.submitted == []
+    for key in ("alice", "bob", "alice"):
+        response = client.post("/v1/models/m:predict", json=v1, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200
+    client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "cache_salt": "s"},
+                headers={"Authorization": "Bearer bob"})
+    alice, bob, alice_again, bob_openai = engine.salts
+    assert alice == alice_again != bob == bob_openai and alice.endswith("\0s")
 
 
 def test_oversized_bodies_are_413_on_kserves_routes_and_the_openai_routes_keep_theirs():

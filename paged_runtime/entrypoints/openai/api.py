@@ -6,10 +6,14 @@ are parsed and validated inside the routes and every failure is turned into
 an OpenAI error body by the router's own route class, so the host app needs
 no exception handlers of ours.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-POST /tokenize, POST /detokenize (these five need ``Authorization: Bearer
-<api_key>`` when a key is set), GET /health, GET /version (always open),
-GET /metrics (open unless ``metrics_require_api_key``).
+Routes: POST /v1/completions, POST /v1/chat/completions, their two
+``/render`` twins (vLLM's: the exact prompt token ids and sampling
+parameters a generate request would submit, nothing generated), GET
+/v1/models, POST /tokenize, POST /detokenize (these need ``Authorization:
+Bearer <key>`` with one of the keys, when keys are set; with several keys
+each is a tenant with a prefix cache of its own, see ``access.py``), GET
+/health, GET /version (always open), GET /metrics (open unless
+``metrics_require_api_key``).
 
 The edge, before any work: a POST body must be ``Content-Type:
 application/json`` (415 otherwise: a web page cannot drive the server with a
@@ -25,7 +29,6 @@ against it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -41,9 +44,10 @@ from starlette.types import Receive, Scope, Send
 
 from paged_runtime.config import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from paged_runtime.engine.client import EngineClient
+from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard, Tenant, trusted_hosts
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
-                                                    parse_json, payload_too_large, unauthorized, unsupported_media_type)
+                                                    parse_json, payload_too_large, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                        TokenizeRequest)
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, StreamingResult
@@ -157,28 +161,23 @@ def _decode(body: bytes, model: type[ModelT]) -> ModelT:
     return model.model_validate(data)
 
 
-def api_key_checker(api_key: str | None) -> Callable[[Request], None]:
-    """A dependency that checks ``Authorization: Bearer <api_key>`` in constant time (no-op without a key)."""
-    expected = api_key.encode() if api_key else None
+def authenticator(keys: ApiKeys) -> Callable[[Request], Tenant]:
+    """A dependency: the caller's tenant from its ``Authorization`` header (a 401 without a valid key)."""
 
-    def check(request: Request) -> None:
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
-        if not hmac.compare_digest(token.strip().encode(), expected):
-            raise unauthorized("Incorrect API key provided.")
+    def authenticate(request: Request) -> Tenant:
+        return keys.authenticate(request.headers.get("authorization"))
 
-    return check
+    return authenticate
 
 
-def app_options(server: ServerConfig) -> dict[str, Any]:
+def app_options(server: ServerConfig, bind_host: str | None = None) -> dict[str, Any]:
     """``build_app``'s keywords from the server settings (the same for ``serve`` and both adapters); a chat
-    option that cannot work (a tool-call parser missing) raises ValueError here, before any model loads."""
-    return {"api_key": server.api_key, "allowed_origins": server.allowed_origins,
-            "max_request_body_bytes": server.max_request_body_bytes,
+    option that cannot work (a tool-call parser missing) raises ValueError here, before any model loads.
+    ``bind_host``: the address the server listens on, where it is known (the Host check depends on it)."""
+    keys = ApiKeys.of(server)
+    return {"api_key": keys, "allowed_hosts": trusted_hosts(bind_host, keys, server.allowed_hosts),
+            "enable_prompt_tokens_details": server.enable_prompt_tokens_details,
+            "allowed_origins": server.allowed_origins, "max_request_body_bytes": server.max_request_body_bytes,
             "max_prompts_per_request": server.max_prompts_per_request,
             "metrics_require_api_key": server.metrics_require_api_key, "chat_template": server.chat_template,
             "chat_options": ChatOptions(server.enable_auto_tool_choice, server.tool_call_parser,
@@ -186,28 +185,38 @@ def app_options(server: ServerConfig) -> dict[str, Any]:
 
 
 def build_router(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
-                 api_key: str | None = None, registry: CollectorRegistry | None = None,
+                 api_key: str | Sequence[str] | ApiKeys | None = None, registry: CollectorRegistry | None = None,
                  model_root: str | None = None, include_metrics: bool = True,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  metrics_require_api_key: bool = False, chat_template: str | None = None,
-                 chat_options: ChatOptions | None = None) -> APIRouter:
+                 chat_options: ChatOptions | None = None, enable_prompt_tokens_details: bool = False) -> APIRouter:
     """All routes over ``engine``. ``chat_template``: Jinja text that replaces the tokenizer's chat template
     (chat completions and /tokenize; ``--chat-template``); ``chat_options``: the chat route's tool calling
     and reasoning settings. ``registry`` is what /metrics shows (default: the global REGISTRY);
     hosts with a /metrics of their own (KServe) pass ``include_metrics=False`` and share the registry.
     ``max_request_body_bytes`` (413 beyond) and ``max_prompts_per_request`` (a completions ``prompt``
-    list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key."""
+    list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key;
+    ``enable_prompt_tokens_details``: usage reports ``cached_tokens``."""
     from paged_runtime import __version__
     served_model_names = list(served_model_names or engine.config.served_model_names)
     limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
-    completions = CompletionServing(engine, served_model_names, limits)
-    chat = ChatServing(engine, served_model_names, limits, chat_template, chat_options)
+    completions = CompletionServing(engine, served_model_names, limits,
+                                    prompt_tokens_details=enable_prompt_tokens_details)
+    chat = ChatServing(engine, served_model_names, limits, chat_template, chat_options,
+                       prompt_tokens_details=enable_prompt_tokens_details)
     created = int(time.time())
     root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
-    auth = [Depends(api_key_checker(api_key))]
+    keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys(api_key)
+    authenticate = authenticator(keys)
+    auth = [Depends(authenticate)]
     max_body = limits.max_body_bytes
+
+    async def parse_as(request: Request, model: type[ModelT], tenant: Tenant) -> ModelT:
+        body = await _parse(request, model, max_body)
+        body.cache_salt = tenant.cache_salt(body.cache_salt)
+        return body
 
     async def respond(request: Request, serving: CompletionServing | ChatServing, body: BaseModel) -> Response:
         result = await serving.create(body)  # type: ignore[arg-type]
@@ -215,17 +224,25 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
             return SSEResponse(result)
         return JSONResponse(result)
 
-    @router.post("/v1/completions", dependencies=auth)
-    async def create_completion(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest, max_body)
+    @router.post("/v1/completions")
+    async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        body = await parse_as(request, CompletionRequest, tenant)
         response = await _until_disconnect(request, respond(request, completions, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @router.post("/v1/chat/completions", dependencies=auth)
-    async def create_chat_completion(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest, max_body)
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        body = await parse_as(request, ChatCompletionRequest, tenant)
         response = await _until_disconnect(request, respond(request, chat, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @router.post("/v1/completions/render")
+    async def render_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> list:
+        return await completions.render_request(await parse_as(request, CompletionRequest, tenant))
+
+    @router.post("/v1/chat/completions/render")
+    async def render_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> dict:
+        return await chat.render_request(await parse_as(request, ChatCompletionRequest, tenant))
 
     @router.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
@@ -290,18 +307,22 @@ def _detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict:
     return {"prompt": serving.tokenizer_worker.tokenizer.decode(req.tokens)}
 
 
-def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = None, *, api_key: str | None = None,
-              registry: CollectorRegistry | None = None, model_root: str | None = None,
-              include_metrics: bool = True, allowed_origins: Sequence[str] | None = None,
+def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
+              api_key: str | Sequence[str] | ApiKeys | None = None, registry: CollectorRegistry | None = None,
+              model_root: str | None = None, include_metrics: bool = True,
+              allowed_origins: Sequence[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               metrics_require_api_key: bool = False, drain: Drain | None = None,
-              chat_template: str | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
+              chat_template: str | None = None, chat_options: ChatOptions | None = None,
+              enable_prompt_tokens_details: bool = False, allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
 
     ``allowed_origins``: CORS for exactly these origins (Starlette's CORSMiddleware); None or empty: no
     CORS, so browsers refuse cross-origin reads and preflights. ``drain``: while it drains, every request is a
-    503 ``server_shutting_down`` (see ``drain.py``). The other keywords are build_router's.
+    503 ``server_shutting_down`` (see ``drain.py``). ``allowed_hosts``: answer only requests whose Host is a
+    loopback name or one of these (``access.HostGuard``; ``trusted_hosts`` says when); None: any Host.
+    The other keywords are build_router's.
     """
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
@@ -310,7 +331,8 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
                                     max_request_body_bytes=max_request_body_bytes,
                                     max_prompts_per_request=max_prompts_per_request,
                                     metrics_require_api_key=metrics_require_api_key, chat_template=chat_template,
-                                    chat_options=chat_options))
+                                    chat_options=chat_options,
+                                    enable_prompt_tokens_details=enable_prompt_tokens_details))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -326,4 +348,6 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
 
     if drain is not None:
         app.add_middleware(DrainMiddleware, drain=drain)
+    if allowed_hosts is not None:  # outermost: a foreign Host is refused before anything else runs
+        app.add_middleware(HostGuard, allowed=allowed_hosts)
     return app

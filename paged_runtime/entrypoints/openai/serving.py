@@ -84,11 +84,14 @@ class OpenAIServing:
     """Holds the engine and the served model names; subclasses implement one route each."""
 
     def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
-                 limits: RequestLimits | None = None, chat_template: str | None = None) -> None:
-        """``chat_template``: a Jinja template that replaces the tokenizer's (``--chat-template``)."""
+                 limits: RequestLimits | None = None, chat_template: str | None = None, *,
+                 prompt_tokens_details: bool = False) -> None:
+        """``chat_template``: a Jinja template that replaces the tokenizer's (``--chat-template``);
+        ``prompt_tokens_details``: usage reports ``cached_tokens`` (``--enable-prompt-tokens-details``)."""
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details
         self.served_model_names = list(served_model_names)
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
@@ -307,10 +310,35 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 
 # ---- response pieces ---------------------------------------------------------------------
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+def usage(outputs: Sequence[RequestOutput], num_completion_tokens: int, prompt_tokens_details: bool) -> dict:
+    """OpenAI's usage of ``outputs`` (one per prompt); ``cached_tokens`` only with ``prompt_tokens_details``
+    (``--enable-prompt-tokens-details``): it tells a caller which prompts reached the cache before its own."""
+    num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    body = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if prompt_tokens_details:
+        body["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
+    return body
+
+
+def render_body(request_id: str, prompt: ProcessedPrompt, params: SamplingParams, req: SamplingFields,
+                model: str) -> dict:
+    """vLLM's ``GenerateRequest`` for one prompt, as its render routes return it: the exact prompt token ids
+    and sampling parameters the generate route would submit (``features``: text models have none)."""
+    return {"request_id": request_id, "token_ids": list(prompt.token_ids), "features": None,
+            "sampling_params": sampling_params_body(dataclasses.replace(params, max_tokens=prompt.max_tokens)),
+            "model": model, "stream": bool(req.stream),
+            "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
+            "cache_salt": req.cache_salt, "priority": req.priority}
+
+
+def sampling_params_body(params: SamplingParams) -> dict:
+    """``params`` as JSON: every public field (enums by value, a constraint as its fields)."""
+    body = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.repr}
+    body["output_kind"] = params.output_kind.value
+    if params.structured_outputs is not None:
+        body["structured_outputs"] = dataclasses.asdict(params.structured_outputs)
+    return body
 
 
 def clamp(logprob: float) -> float:

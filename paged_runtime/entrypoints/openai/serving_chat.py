@@ -24,12 +24,13 @@ from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from paged_runtime.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, RequestLimits, StreamingResult, clamp,
-                                                     collect_deltas, merge, new_id, now, prompt_logprobs_body, sse,
-                                                     sse_error, top_by_rank, usage)
+                                                     collect_deltas, merge, new_id, now, prompt_logprobs_body,
+                                                     render_body, sse, sse_error, top_by_rank, usage)
 from paged_runtime.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice, tool_constraint
 from paged_runtime.entrypoints.openai.tool_parsers import get_tool_parser
 from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from paged_runtime.sampling_params import RequestOutputKind
+from paged_runtime.engine.processor import ProcessedPrompt
+from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 # Arguments of apply_chat_template that the request must not override through chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -56,8 +57,10 @@ class ChatOptions:
 
 class ChatServing(OpenAIServing):
     def __init__(self, engine, served_model_names, limits: RequestLimits | None = None,
-                 chat_template: str | None = None, options: ChatOptions | None = None) -> None:
-        super().__init__(engine, served_model_names, limits, chat_template)
+                 chat_template: str | None = None, options: ChatOptions | None = None, *,
+                 prompt_tokens_details: bool = False) -> None:
+        super().__init__(engine, served_model_names, limits, chat_template,
+                         prompt_tokens_details=prompt_tokens_details)
         self.options = options or ChatOptions()
         self.reasoning_parser = (get_reasoning_parser(self.options.reasoning_parser)
                                  if self.options.reasoning_parser else None)
@@ -67,6 +70,20 @@ class ChatServing(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest) -> dict | StreamingResult:
         """The response body, or a StreamingResult for ``stream``. Raises before anything runs if the request is bad."""
+        model, tool_choice, params, processed = await self._prepare(req)
+        request_id = new_id("chatcmpl")
+        streams = self.submit(request_id, [processed], params, req)
+        if req.stream:
+            return StreamingResult(self._stream(req, tool_choice, request_id, model, streams[0]), streams)
+        return self._response(req, tool_choice, request_id, model, (await collect_deltas(streams))[0])
+
+    async def render_request(self, req: ChatCompletionRequest) -> dict:
+        """What ``create`` would submit, as vLLM's ``GenerateRequest`` body, without generating."""
+        model, _, params, processed = await self._prepare(req)
+        return render_body(new_id("chatcmpl"), processed, params, req, model)
+
+    async def _prepare(self, req: ChatCompletionRequest) -> tuple[str, ToolChoice, SamplingParams, ProcessedPrompt]:
+        """(the model name to echo, the tool choice, the sampling parameters, the rendered prompt, checked)."""
         model = self.resolve_model(req.model)
         self.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -91,11 +108,7 @@ class ChatServing(OpenAIServing):
                                                           _template_tools(req))
         processed = await self.process_off_loop({"prompt": text, "prompt_token_ids": token_ids}, params, "messages",
                                                  source)
-        request_id = new_id("chatcmpl")
-        streams = self.submit(request_id, [processed], params, req)
-        if req.stream:
-            return StreamingResult(self._stream(req, tool_choice, request_id, model, streams[0]), streams)
-        return self._response(req, tool_choice, request_id, model, (await collect_deltas(streams))[0])
+        return model, tool_choice, params, processed
 
     def _constraint(self, req: ChatCompletionRequest, tool_choice: ToolChoice):
         """(the output constraint, the field it came from): response_format, a forced tool choice, or the
@@ -156,7 +169,7 @@ class ChatServing(OpenAIServing):
                             "stop_reason": c.stop_reason})
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         body = {"id": request_id, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)}
+                "usage": usage([out], num_completion, self.prompt_tokens_details)}
         if req.prompt_logprobs is not None:  # vLLM's place for them: the response, not a choice
             body["prompt_logprobs"] = prompt_logprobs_body(out, req.prompt_logprobs)
         return body
@@ -196,8 +209,8 @@ class ChatServing(OpenAIServing):
                 if choices:
                     yield chunk(choices)
                 if out.finished and include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(len(out.prompt_token_ids), num_completion,
-                                                                     out.num_cached_tokens)})
+                    yield sse({**head, "choices": [], "usage": usage([out], num_completion,
+                                                                     self.prompt_tokens_details)})
         except Exception as e:  # the engine failed mid-stream: tell the client in-band
             yield sse_error(e)
         finally:

@@ -24,9 +24,11 @@ from paged_runtime.entrypoints.openai.constraints import request_constraint
 from paged_runtime.entrypoints.openai.errors import bad_request
 from paged_runtime.entrypoints.openai.protocol import CompletionRequest
 from paged_runtime.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamingResult, clamp, collect_deltas,
-                                                     merge, new_id, now, prompt_logprobs_body, sse, sse_error, usage)
+                                                     merge, new_id, now, prompt_logprobs_body, render_body, sse, sse_error,
+                                                     usage)
 from paged_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from paged_runtime.sampling_params import RequestOutputKind
+from paged_runtime.engine.processor import ProcessedPrompt
+from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -62,6 +64,21 @@ class _Logprobs:
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest) -> dict | StreamingResult:
         """The response body, or a StreamingResult for ``stream``. Raises before anything runs if the request is bad."""
+        model, params, processed = await self._prepare(req)
+        request_id = new_id("cmpl")
+        streams = self.submit(request_id, processed, params, req)
+        if req.stream:
+            return StreamingResult(self._stream(req, request_id, model, streams), streams)
+        outputs = await collect_deltas(streams)
+        return self._response(req, request_id, model, [_scored(o) for o in outputs] if req.max_tokens == 0 else outputs)
+
+    async def render_request(self, req: CompletionRequest) -> list[dict]:
+        """What ``create`` would submit, one vLLM ``GenerateRequest`` body per prompt, without generating."""
+        model, params, processed = await self._prepare(req)
+        return [render_body(new_id("cmpl"), prompt, params, req, model) for prompt in processed]
+
+    async def _prepare(self, req: CompletionRequest) -> tuple[str, SamplingParams, list[ProcessedPrompt]]:
+        """(the model name to echo, the sampling parameters, each prompt tokenized and checked)."""
         model = self.resolve_model(req.model)
         self.check_common(req)
         if req.stream and req.best_of is not None and req.best_of != req.n:
@@ -84,13 +101,7 @@ class CompletionServing(OpenAIServing):
         if len(prompts) > self.limits.max_prompts_per_request:
             raise bad_request(f"prompt holds {len(prompts)} prompts; this server takes at most "
                               f"{self.limits.max_prompts_per_request} per request", param="prompt")
-        processed = [await self.process_off_loop(p, params, "prompt", source) for p in prompts]
-        request_id = new_id("cmpl")
-        streams = self.submit(request_id, processed, params, req)
-        if req.stream:
-            return StreamingResult(self._stream(req, request_id, model, streams), streams)
-        outputs = await collect_deltas(streams)
-        return self._response(req, request_id, model, [_scored(o) for o in outputs] if scoring else outputs)
+        return model, params, [await self.process_off_loop(p, params, "prompt", source) for p in prompts]
 
     # ---- whole response ------------------------------------------------------------------
     def _response(self, req: CompletionRequest, request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
@@ -106,7 +117,8 @@ class CompletionServing(OpenAIServing):
                     choice["prompt_logprobs"] = prompt_logprobs_body(out, req.prompt_logprobs)
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-                "choices": choices, "usage": _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs))}
+                "choices": choices, "usage": usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                                                     self.prompt_tokens_details)}
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)
@@ -151,7 +163,8 @@ class CompletionServing(OpenAIServing):
                                "choices": choices})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": _usage(finished_outputs, state.num_completion_tokens)})
+                           "choices": [], "usage": usage(finished_outputs, state.num_completion_tokens,
+                                                        self.prompt_tokens_details)})
         except Exception as e:  # the engine failed mid-stream: tell the client in-band
             yield sse_error(e)
         finally:
@@ -207,7 +220,3 @@ def _scored(out: RequestOutput) -> RequestOutput:
              for c in out.outputs]
     return dataclasses.replace(out, outputs=empty)
 
-
-def _usage(outputs: list[RequestOutput], num_completion_tokens: int) -> dict:
-    return usage(sum(len(o.prompt_token_ids) for o in outputs), num_completion_tokens,
-                 sum(o.num_cached_tokens for o in outputs))
