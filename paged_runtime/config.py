@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_runtime.settings import (ExtendOrigins, check_settings, from_source, parse_bytes, parse_switch,
-                                    read_chat_template, setting)
+                                    parse_words, read_chat_template, setting)
 from paged_runtime.spec_decode.config import SpeculativeConfig
 
 CACHE_ENV = "PAGED_RUNTIME_CACHE"
@@ -165,7 +165,7 @@ class ServerConfig:
         None, "require 'Authorization: Bearer <key>' with one of these keys on every route but the health, "
         "readiness, version and (unless --metrics-require-api-key) metrics ones; with two or more keys, each key's "
         "requests get a prefix cache of their own", group="server", env=("PAGED_RUNTIME_API_KEY", "VLLM_API_KEY"),
-        secret=True, metavar="KEY")
+        parse=parse_words, secret=True, metavar="KEY")
     api_keys_file: str | None = setting(None, "more API keys, one per line ('#' starts a comment line)",
                                         metavar="FILE", group="server")
     share_prefix_cache_across_keys: bool = setting(
@@ -177,7 +177,7 @@ class ServerConfig:
     allowed_hosts: list[str] | None = setting(
         None, "Host header names the server answers ('*': any); default: any, except that a server bound to a "
         "loopback address without an API key answers loopback names only (against DNS rebinding)",
-        metavar="HOST", group="server")
+        parse=parse_words, metavar="HOST", group="server")
     max_waiting_requests: int | None = setting(
         None, "beyond this many queued requests, answer 503 with Retry-After; None: unbounded", ge=1, group="server")
     shutdown_timeout: float = setting(

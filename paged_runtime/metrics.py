@@ -33,10 +33,21 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length" | "abort"
+    """One finished request. The phase times are vLLM's: prefill from its first scheduled step to its first
+    token, decode from there to its last token, inference the two together; None where the request never
+    reached that point (an abort while waiting)."""
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+
+
+# vLLM's cache_config_info labels that schedulers read (llm-d reads block_size and num_gpu_blocks).
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                       "num_gpu_blocks", "num_cpu_blocks", "prefix_caching_hash_algo")
 
 
 @dataclass(slots=True)
@@ -63,6 +74,9 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
+    def record_cache_config(self, info: dict[str, str]) -> None:
+        """Once the engine is built: its KV cache as ``CACHE_CONFIG_LABELS`` -> text."""
+
     def record(self, stats: IterationStats) -> None: ...
 
     def close(self) -> None: ...
@@ -83,6 +97,10 @@ class _Families:
     itl: Histogram
     e2e: Histogram
     queue_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    inference_time: Histogram
+    cache_config: Gauge
     prompt_len: Histogram
     generation_len: Histogram
     spec_drafts: Counter
@@ -129,6 +147,17 @@ def _create_families(registry: CollectorRegistry) -> _Families:
         queue_time=Histogram("vllm:request_queue_time_seconds",
                              "Histogram of time spent in WAITING phase for request.",
                              buckets=REQUEST_LATENCY_BUCKETS, **kw),
+        prefill_time=Histogram("vllm:request_prefill_time_seconds",
+                               "Histogram of time spent in PREFILL phase for request.",
+                               buckets=REQUEST_LATENCY_BUCKETS, **kw),
+        decode_time=Histogram("vllm:request_decode_time_seconds",
+                              "Histogram of time spent in DECODE phase for request.",
+                              buckets=REQUEST_LATENCY_BUCKETS, **kw),
+        inference_time=Histogram("vllm:request_inference_time_seconds",
+                                 "Histogram of time spent in RUNNING phase for request.",
+                                 buckets=REQUEST_LATENCY_BUCKETS, **kw),
+        cache_config=Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                           labelnames=label + list(CACHE_CONFIG_LABELS), registry=registry),
         prompt_len=Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                              buckets=length_buckets, **kw),
         generation_len=Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
@@ -159,9 +188,16 @@ class PrometheusStatLogger:
         self.success = {reason: f.request_success.labels(name, reason) for reason in self.FINISH_REASONS}
         self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_len, self.generation_len = (
             h.labels(name) for h in (f.ttft, f.itl, f.e2e, f.queue_time, f.prompt_len, f.generation_len))
+        self.phase_times = [h.labels(name) for h in (f.prefill_time, f.decode_time, f.inference_time)]
+        self.cache_config_labels: tuple[str, ...] | None = None
         self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens = (
             c.labels(name) for c in (f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens))
         self.spec_positions: list[str] = []  # position labels bound so far
+
+    def record_cache_config(self, info: dict[str, str]) -> None:
+        labels = (self.model_name, *(str(info.get(key, "None")) for key in CACHE_CONFIG_LABELS))
+        self.families.cache_config.labels(*labels).set(1)
+        self.cache_config_labels = labels
 
     def record(self, stats: IterationStats) -> None:
         self.running.set(stats.num_running)
@@ -194,14 +230,20 @@ class PrometheusStatLogger:
             self.e2e.observe(done.e2e_latency)
             self.prompt_len.observe(done.num_prompt_tokens)
             self.generation_len.observe(done.num_generation_tokens)
+            for histogram, value in zip(self.phase_times, (done.prefill_time, done.decode_time, done.inference_time)):
+                if value is not None:
+                    histogram.observe(value)
 
     def close(self) -> None:
         """Drop this engine's series from the shared families (another engine may reuse the name later)."""
         f = self.families
         for family in (f.running, f.waiting, f.kv_usage, f.prefix_queries, f.prefix_hits, f.preemptions,
                        f.prompt_tokens, f.generation_tokens, f.ttft, f.itl, f.e2e, f.queue_time, f.prompt_len,
-                       f.generation_len, f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens):
+                       f.generation_len, f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens, f.prefill_time,
+                       f.decode_time, f.inference_time):
             _remove(family, self.model_name)
+        if self.cache_config_labels is not None:
+            _remove(f.cache_config, *self.cache_config_labels)
         for position in self.spec_positions:
             _remove(f.spec_accepted_per_pos, self.model_name, position)
         for reason in self.success:
@@ -229,6 +271,10 @@ class LoggingStatLogger:
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_prefix_queries = self.num_prefix_hits = 0
         self.active = False  # anything happened since the last line
+
+    def record_cache_config(self, info: dict[str, str]) -> None:
+        self.log.info("KV cache: %s blocks of %s tokens (%s)", info.get("num_gpu_blocks"), info.get("block_size"),
+                      info.get("cache_dtype"))
 
     def record(self, stats: IterationStats) -> None:
         busy = bool(stats.num_running or stats.num_waiting or stats.num_generation_tokens)

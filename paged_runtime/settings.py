@@ -175,10 +175,11 @@ def _argparse_kind(name: str, spec: Setting, annotation: Any) -> dict[str, Any]:
     if base is bool:
         return {"action": argparse.BooleanOptionalAction}
     kind: dict[str, Any] = {"metavar": spec.metavar}
-    if typing.get_origin(base) is list:
+    parse = spec.parse
+    if typing.get_origin(base) is list:  # a flag takes the items; ``parse`` reads one text (env, Ray) as a list
         kind["nargs"] = "+"
-        base = typing.get_args(base)[0]
-    parse = spec.parse or (base if base in (int, float) else str)  # a union (a dict or its JSON): the text
+        base, parse = typing.get_args(base)[0], None
+    parse = parse or (base if base in (int, float) else str)  # a union (a dict or its JSON): the text
     if spec.choices is not None:
         kind["choices"] = spec.choices  # argparse lists them in --help and in its error
         kind["type"] = parse
@@ -251,6 +252,11 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"expected a byte count such as 2147483648, 512MiB or 2GiB, got {text!r}")
     number, unit = float(match.group(1)), match.group(2).lower()
     return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def parse_words(text: str) -> list[str]:
+    """'a b', 'a,b' -> ['a', 'b']: a list given as one text (an environment variable, a Ray argument)."""
+    return [word for word in re.split(r"[\s,]+", text) if word]
 
 
 def parse_switch(text: str) -> bool:

@@ -278,6 +278,8 @@ class AsyncEngine:
                                     grammars=engine.grammars)  # thread-safe: compiles are cached for the runner
         self.default_sampling = dict(engine.default_sampling)
         self._totals = engine.stats()  # counters as of the last pass; each pass reports the difference
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_cache_config(engine.cache_config_info())
 
     # ---- the model, as callers see it -------------------------------------------------------
     @property
@@ -489,8 +491,7 @@ class AsyncEngine:
             aborted = [t for key in keys if (t := self._untrack(key)) is not None]
         for tracked in aborted:
             tracked.stream.put(_aborted_output(tracked))
-            stats.finished.append(FinishedRequestStats("abort", now - tracked.arrival, tracked.num_prompt_tokens,
-                                                       tracked.num_generation_tokens))
+            stats.finished.append(_finished("abort", tracked, now))
 
     def _mark_scheduled(self, step_start: float, stats: IterationStats) -> None:
         """Queue time ends at the start of the first step that computed any of the request's tokens."""
@@ -539,8 +540,7 @@ class AsyncEngine:
         if output.finished:
             reason = "error" if output.error is not None else next(
                 (c.finish_reason for c in output.outputs if c.finish_reason), "stop")
-            stats.finished.append(FinishedRequestStats(reason, stats.now - tracked.arrival,
-                                                       tracked.num_prompt_tokens, tracked.num_generation_tokens))
+            stats.finished.append(_finished(reason, tracked, stats.now))
 
     def _finish_stats(self, stats: IterationStats) -> None:
         """Gauges from the engine's snapshot after this pass, counters as the difference from the last one."""
@@ -570,6 +570,16 @@ class AsyncEngine:
             self._finish_stats(IterationStats(time.monotonic(), 0, 0, 0.0))
         except Exception:
             logger.debug("could not abort requests after the engine failed", exc_info=True)
+
+
+def _finished(reason: str, tracked: _Tracked, now: float) -> FinishedRequestStats:
+    """The finished request's stats; its phase times as far as it got (see ``FinishedRequestStats``)."""
+    scheduled, first, last = tracked.scheduled_at, tracked.first_token_at, tracked.last_token_at
+    return FinishedRequestStats(
+        reason, now - tracked.arrival, tracked.num_prompt_tokens, tracked.num_generation_tokens,
+        prefill_time=None if scheduled is None or first is None else max(0.0, first - scheduled),
+        decode_time=None if first is None else last - first,
+        inference_time=None if scheduled is None or last is None else max(0.0, last - scheduled))
 
 
 def _since(stats: IterationStats, now: CoreStats, before: CoreStats) -> None:

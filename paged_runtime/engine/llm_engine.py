@@ -167,6 +167,15 @@ class LLMEngine:
         """Where the engine stands: gauges now, counters since start-up (taken on demand, not every step)."""
         return self.core.stats()
 
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache as vLLM's ``cache_config_info`` metric labels it (``metrics.CACHE_CONFIG_LABELS``)."""
+        config = self.config
+        return {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
+                "enable_prefix_caching": str(config.enable_prefix_caching),
+                "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                "num_gpu_blocks": str(self.core.num_blocks), "num_cpu_blocks": "None",
+                "prefix_caching_hash_algo": str(getattr(config, "prefix_caching_hash_algo", "sha256"))}
+
     def reconfigure(self, *, max_num_seqs: int) -> bool:
         """Move the batch limit to ``max_num_seqs``; True once fully applied, False to call again after a step.
 

@@ -219,7 +219,9 @@ def test_waiting_queue_bound_raises_overloaded(tiny_llama_dir):
 def test_idle_loop_sleeps(tiny_llama_dir):
     """After the work is done the loop makes no more passes (it waits on its condition, no polling)."""
 
-    class Counter:
+    from paged_runtime.metrics import StatLogger
+
+    class Counter(StatLogger):
         def __init__(self):
             self.passes = 0
 
@@ -265,7 +267,9 @@ def test_shutdown_fails_inflight_requests(tiny_llama_dir):
 def test_speculative_decoding_streams_several_tokens_a_step_and_counts_them(tiny_llama_dir, tiny_llm):
     """A draft model equal to the target accepts every draft: the stream gets k + 1 tokens a step,
     the text equals plain decoding, and the loggers see every draft and acceptance exactly once."""
-    class Recorder:
+    from paged_runtime.metrics import StatLogger
+
+    class Recorder(StatLogger):
         def __init__(self):
             self.drafts = self.draft_tokens = self.accepted = 0
             self.per_position = [0, 0, 0]

@@ -170,7 +170,7 @@ def test_chat_template_from_a_file_or_inline(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("env,key", [
-    ({}, None), ({"VLLM_API_KEY": "v"}, "v"), ({"PAGED_RUNTIME_API_KEY": "p", "VLLM_API_KEY": "v"}, "p"),
+    ({}, None), ({"VLLM_API_KEY": "v"}, ["v"]), ({"PAGED_RUNTIME_API_KEY": "p", "VLLM_API_KEY": "v"}, ["p"]),
 ])
 def test_api_key_from_the_flag_then_the_projects_variable_then_vllms(env, key, monkeypatch):
     monkeypatch.delenv("PAGED_RUNTIME_API_KEY", raising=False)
@@ -178,4 +178,5 @@ def test_api_key_from_the_flag_then_the_projects_variable_then_vllms(env, key, m
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert server().api_key == key
-    assert server("--api-key", "flag").api_key == "flag"
+    assert server("--api-key", "flag").api_key == ["flag"]
+    assert server("--api-key", "k1", "k2").api_key == ["k1", "k2"]

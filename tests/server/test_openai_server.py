@@ -435,7 +435,8 @@ def test_metrics_parse_and_move(tiny_server):
              "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
              "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
              "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
-             "vllm:request_queue_time_seconds_count"]
+             "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+             "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count"]
     tiny_server.wait_idle()
     before = {n: tiny_server.metric(n) for n in names}
     for n in names:
@@ -450,9 +451,22 @@ def test_metrics_parse_and_move(tiny_server):
     assert moved["vllm:inter_token_latency_seconds_count"] == 16
     assert moved["vllm:e2e_request_latency_seconds_count"] == 2
     assert moved["vllm:request_queue_time_seconds_count"] == 2
+    for phase in ("prefill", "decode", "inference"):
+        assert moved[f"vllm:request_{phase}_time_seconds_count"] == 2, phase
     assert moved["vllm:prefix_cache_queries_total"] == 80
     assert moved["vllm:prefix_cache_hits_total"] == 32  # the second request finds two full 16-token blocks
     assert tiny_server.metric("vllm:request_success_total", finished_reason="length") >= 2
+
+
+def test_cache_config_info_names_the_kv_cache(tiny_server):
+    """vLLM's info gauge, read by llm-d's scheduler for the block size and the number of blocks."""
+    [labels] = [dict(labels) for (name, labels), value in tiny_server.metrics().items()
+                if name == "vllm:cache_config_info" and value == 1.0]
+    core = tiny_server.engine.engine.core
+    assert labels == {"model_name": TINY_NAME, "block_size": "16", "cache_dtype": "auto",
+                      "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9",
+                      "num_gpu_blocks": str(core.num_blocks), "num_cpu_blocks": "None",
+                      "prefix_caching_hash_algo": "sha256"}
 
 
 def test_metrics_show_running_requests(tiny_server):

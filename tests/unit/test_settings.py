@@ -127,8 +127,11 @@ def test_environment_backed_defaults_are_read_when_a_config_is_built(monkeypatch
     monkeypatch.setenv("PAGED_RUNTIME_CPU_KERNELS", "0")
     monkeypatch.setenv("VLLM_API_KEY", "v")
     assert (EngineConfig().cpu_kernels, serve().cpu_kernels, ray().cpu_kernels) == (False, False, False)
-    assert (ServerConfig().api_key, AppArgs().server_config().api_key) == ("v", "v")
+    assert (ServerConfig().api_key, AppArgs().server_config().api_key) == (["v"], ["v"])
     assert serve("--cpu-kernels").cpu_kernels is True  # a flag wins over the environment
+    assert AppArgs(api_key="k1, k2", allowed_hosts="a.internal b.internal").server_config().allowed_hosts == [
+        "a.internal", "b.internal"]
+    assert AppArgs(api_key="k1, k2").server_config().api_key == ["k1", "k2"]  # a list given as one text
 
 
 def test_help_never_shows_a_secret(monkeypatch):
