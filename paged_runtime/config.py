@@ -180,6 +180,11 @@ class ServerConfig:
         parse=parse_words, metavar="HOST", group="server")
     max_waiting_requests: int | None = setting(
         None, "beyond this many queued requests, answer 503 with Retry-After; None: unbounded", ge=1, group="server")
+    engine_step_timeout: float | None = setting(
+        300.0, "seconds one engine step may run with work pending before the engine is declared stalled: /health "
+        "answers 503 for good and requests in flight fail (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S idea; generous "
+        "because a long prefill chunk of a large model on a small CPU takes minutes); None or 0: never", ge=0,
+        env=("PAGED_RUNTIME_ENGINE_STEP_TIMEOUT", "VLLM_ENGINE_ITERATION_TIMEOUT_S"), parse=float, group="server")
     shutdown_timeout: float = setting(
         30.0, "on SIGTERM/SIGINT, seconds in-flight requests get to finish (new ones get 503); then the rest end "
         "with an error", ge=0, group="server")

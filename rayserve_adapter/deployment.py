@@ -8,8 +8,9 @@
     mode ``forward`` runs the app for requests that come through a
     DeploymentHandle. Serve hooks:
 
-    - ``check_health`` raises once the engine's step loop has died, so Serve
-      replaces the replica;
+    - ``check_health`` raises once the engine's step loop has died or
+      stalled (``--engine-step-timeout``), so Serve replaces the replica,
+      and while the replica drains;
     - ``reconfigure(user_config)`` applies ``max_num_seqs`` and
       ``max_waiting_requests`` live (raise ``max_ongoing_requests`` with
       ``max_num_seqs``: both are applied without restarting replicas);
@@ -106,6 +107,9 @@ class EngineReplica:
                 yield part
 
     def check_health(self) -> None:
+        """Raises once the engine is dead or stalled (Serve replaces the replica), or while it drains (not ready)."""
+        if self.drain.draining:
+            raise RuntimeError("the replica is draining")
         self.engine.check_health()
 
     def reconfigure(self, user_config: dict[str, Any] | None) -> None:

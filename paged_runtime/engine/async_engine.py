@@ -23,7 +23,10 @@ Failure contract
     ends its stream with ``RequestFailedError``; the others go on. Anything else
     that stops the loop, whatever its type (``BaseException`` included), fails every
     in-flight request with ``EngineDeadError``, marks the engine unhealthy and is
-    logged; later requests fail at once. No consumer is ever left waiting.
+    logged; later requests fail at once. No consumer is ever left waiting. With a
+    ``step_timeout``, a pass that runs longer (a hung kernel or collective, a stopped
+    worker) does the same (``watchdog.py``): the engine is latched dead, its
+    requests fail, and the loop, should the pass ever return, touches nothing more.
 
 Streams and ids
     A stream holds at most one pending output (plus a terminal error): a new
@@ -40,6 +43,7 @@ Cancellation contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -54,6 +58,7 @@ from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, 
 from paged_runtime.engine.core import CoreStats
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
+from paged_runtime.engine.watchdog import StepWatchdog
 from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
 from paged_runtime.outputs import CompletionOutput, RequestOutput
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -208,10 +213,12 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine | EngineConfig, *, max_waiting_requests: int | None = None,
-                 stat_loggers: Sequence[StatLogger] = (), stats_flush_interval: float = 10.0) -> None:
+                 stat_loggers: Sequence[StatLogger] = (), stats_flush_interval: float = 10.0,
+                 step_timeout: float | None = None) -> None:
         """Starts the loop thread and returns once the engine is ready; an engine that fails to build
         raises here. ``stats_flush_interval``: after activity stops, the loop wakes once this much later
-        so the stat loggers see the idle state (a log line's last interval) without a timer of their own."""
+        so the stat loggers see the idle state (a log line's last interval) without a timer of their own.
+        ``step_timeout``: seconds one pass may run before the engine is declared stalled (None: never)."""
         self.max_waiting_requests = _checked_waiting_limit(max_waiting_requests)
         self.stat_loggers = list(stat_loggers)
         self.stats_flush_interval = stats_flush_interval
@@ -234,6 +241,7 @@ class AsyncEngine:
         self._num_adding = 0
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self._watchdog = StepWatchdog(step_timeout, self._stalled) if step_timeout else None
         self._thread = threading.Thread(target=self._start_and_run, args=(engine,), name="paged-runtime-step-loop",
                                         daemon=True)
         self._thread.start()
@@ -396,6 +404,8 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         for stat_logger in self.stat_loggers:
@@ -421,15 +431,16 @@ class AsyncEngine:
                            or self._max_num_seqs_target is not None or self._reset_prefix_cache):
                     if not self._cond.wait(self.stats_flush_interval if self._unflushed else None):
                         break  # idle for a whole interval after activity: one empty pass flushes the loggers
-                if self._stopping:
+                if self._stopping or self.dead_error is not None:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 reset, self._reset_prefix_cache = self._reset_prefix_cache, False
                 self._num_adding = len(inbox)
-            if reset:
-                self.engine.reset_prefix_cache()
-            self._pass(inbox, aborts)
+            with self._watchdog.watching() if self._watchdog else contextlib.nullcontext():
+                if reset:
+                    self.engine.reset_prefix_cache()
+                self._pass(inbox, aborts)
 
     def _pass(self, inbox: list[_Submitted], aborts: list[str]) -> None:
         """One pass: add, abort, step once, deliver, record stats."""
@@ -555,7 +566,14 @@ class AsyncEngine:
             except Exception:  # metrics must never take the engine down
                 logger.exception("stat logger %r failed", stat_logger)
 
-    def _die(self, error: EngineDeadError) -> None:
+    def _stalled(self, reason: str) -> None:
+        """The watchdog's verdict (on its thread): fail everyone now; the stuck loop thread keeps the engine."""
+        logger.critical("%s", reason)
+        self._die(EngineDeadError(reason), release=False)
+
+    def _die(self, error: EngineDeadError, release: bool = True) -> None:
+        """Latch ``error`` and fail every request in flight with it. ``release``: the caller is the loop
+        thread (or the loop is gone), so the engine may be asked to give the blocks back."""
         with self._cond:
             if self.dead_error is None:
                 self.dead_error = error
@@ -565,6 +583,8 @@ class AsyncEngine:
             self._inbox.clear()
         for _, t in tracked:
             t.stream.put(error)
+        if not release:
+            return
         try:  # give the blocks back and show it in the metrics, if the engine still can
             self.engine.abort_request([key for key, _ in tracked])
             self._finish_stats(IterationStats(time.monotonic(), 0, 0, 0.0))

@@ -419,6 +419,16 @@ def test_stats_hooks_report_numbers(replica):
     replica.check_health()  # no raise
 
 
+def test_a_draining_replica_is_not_ready(replica):
+    replica.check_health()
+    replica.drain.draining = True
+    try:
+        with pytest.raises(RuntimeError, match="draining"):
+            replica.check_health()
+    finally:
+        replica.drain.draining = False
+
+
 def test_reconfigure_lowers_max_num_seqs_live_without_preempting(replica):
     """Two requests run at max_num_seqs 2; lowered to 1, a third is admitted only once both have finished."""
     engine = replica.engine

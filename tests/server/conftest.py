@@ -64,9 +64,9 @@ def free_socket() -> socket.socket:
 
 @contextmanager
 def running_server(model_dir, name: str, *, api_key: str | None = None, max_waiting_requests: int | None = None,
-                   app_options: dict | None = None, **engine_kwargs):
+                   app_options: dict | None = None, step_timeout: float | None = None, **engine_kwargs):
     """An AsyncEngine over ``model_dir`` behind uvicorn on 127.0.0.1; stopped on exit. ``app_options``: more
-    ``build_app`` keywords (``chat_template``, ``chat_options``, ...)."""
+    ``build_app`` keywords (``chat_template``, ``chat_options``, ...); ``step_timeout``: the engine's watchdog."""
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -80,7 +80,7 @@ def running_server(model_dir, name: str, *, api_key: str | None = None, max_wait
     registry = CollectorRegistry()
     engine = AsyncEngine.from_config(EngineConfig(model=str(model_dir), served_model_name=name, **engine_kwargs),
                                      max_waiting_requests=max_waiting_requests,
-                                     stat_loggers=[PrometheusStatLogger(name, registry)])
+                                     stat_loggers=[PrometheusStatLogger(name, registry)], step_timeout=step_timeout)
     app = build_app(engine, [name], api_key=api_key, registry=registry, **(app_options or {}))
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=5,
