@@ -14,6 +14,7 @@ from typing import Any
 
 from paged_runtime.settings import (ExtendOrigins, check_settings, from_source, parse_bytes, parse_switch,
                                     parse_words, read_chat_template, setting)
+from paged_runtime.core.kv_events import KVEventsConfig
 from paged_runtime.spec_decode.config import SpeculativeConfig
 
 CACHE_ENV = "PAGED_RUNTIME_CACHE"
@@ -29,6 +30,8 @@ ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # attention/__init__.py's BUILD
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # entrypoints/openai/tool_parsers.TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # entrypoints/openai/reasoning_parsers.REASONING_PARSERS
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor")  # core/block_hash.HASH_FUNCTIONS (vLLM's definitions)
+KV_EVENTS_FORMATS = ("array", "map")  # core/kv_events.EVENT_FORMATS: vLLM <= 0.25's event layout, 0.26's
 # A 128k-token context is ~0.5 MB as text and ~1 MB as JSON token ids: 16 MiB holds a full-context prompt many
 # times over, yet bounds what one request makes the server buffer, parse and tokenize.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
@@ -81,6 +84,18 @@ class EngineConfig:
     seed: int = setting(0, "the sampling seed of requests without their own")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of earlier requests' common prefixes")
+    prefix_caching_hash_algo: str = setting(
+        "sha256", "the prefix cache's block hash, as vLLM defines it: sha256 (of the pickled block, Python's own) or "
+        "sha256_cbor (of its canonical CBOR: reproducible in any language; set PYTHONHASHSEED, which seeds the "
+        "first block, alike wherever hashes are compared)", choices=PREFIX_CACHING_HASH_ALGOS)
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = setting(
+        None, 'KV-cache events over ZMQ as JSON with vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\' '
+        "(also buffer_steps, hwm, max_queue_size); a wildcard, ipc or inproc endpoint is bound, any other "
+        "connected to. Events carry every prompt's token ids: publish only where trusted consumers listen")
+    kv_events_format: str = setting(
+        "array", "how KV-cache events are laid out: array (vLLM up to 0.25: tagged positional arrays) or map "
+        "(vLLM 0.26 on: tagged maps, and replay replies carry the topic)", choices=KV_EVENTS_FORMATS)
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lower value first, then arrival",
                                      choices=SCHEDULING_POLICIES)
     enforce_eager: bool = setting(False, "plain PyTorch: no CUDA graphs on a GPU, no compiled decode kernels on "
@@ -123,6 +138,7 @@ class EngineConfig:
         self.cache_dir = str(Path(self.cache_dir).expanduser())
         check_settings(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         self._check_parallel()
         if self.async_scheduling and self.speculative_config is not None:
             # A verifying step's accepted count decides where the next one starts: nothing can be scheduled
@@ -162,8 +178,8 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind", group="server", front_ends=frozenset({"serve"}))
     port: int = setting(8000, "port to listen on", group="server", ge=0, le=65535, front_ends=frozenset({"serve"}))
     api_key: list[str] | None = setting(
-        None, "require 'Authorization: Bearer <key>' with one of these keys on every route but the health, "
-        "readiness, version and (unless --metrics-require-api-key) metrics ones; with two or more keys, each key's "
+        None, "require 'Authorization: Bearer <key>' with one of these keys on every route but /health, /version, "
+        "KServe's probes and (unless --metrics-require-api-key) /metrics; with two or more keys, each key's "
         "requests get a prefix cache of their own", group="server", env=("PAGED_RUNTIME_API_KEY", "VLLM_API_KEY"),
         parse=parse_words, secret=True, metavar="KEY")
     api_keys_file: str | None = setting(None, "more API keys, one per line ('#' starts a comment line)",

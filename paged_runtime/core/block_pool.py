@@ -9,12 +9,17 @@ Invariants:
 - a block with a hash is findable in ``cached`` until it is handed out again:
   a freed block keeps its KV and its hash, which is what the prefix cache is;
 - ``cached`` maps each hash to the one block carrying it: a block is hashed at
-  most once until ``allocate`` or ``reset_cache`` clears its hash.
+  most once until ``allocate`` or ``reset_cache`` clears its hash;
+- with a ``KVEventRecorder`` (KV-cache events on), every hash leaving ``cached`` is reported: one
+  ``removed`` per evicted hash, one ``cleared`` per reset (the KV-cache manager reports what ``cache``
+  adds, knowing the tokens). Without one, nothing is recorded and nothing costs.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from paged_runtime.core.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)
@@ -73,12 +78,13 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every block; hands out free ones and takes them back."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventRecorder | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> the block holding that KV
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -106,8 +112,8 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_count += 1
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Make a full, written block findable by its hash (the first holder of a hash wins).
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Make a full, written block findable by its hash (the first holder of a hash wins); whether it did.
 
         A block is hashed at most once between hand-outs: only ``allocate`` (eviction) or
         ``reset_cache`` clears a hash, and callers never offer an already hashed block again.
@@ -115,13 +121,17 @@ class BlockPool:
         """
         assert block.block_hash is None, f"{block} is already cached; it must be evicted or reset first"
         assert block.ref_count > 0, f"{block} is free: nobody wrote its KV"
-        if block_hash not in self.cached:  # else an equal block got there first; this one stays plain
-            block.block_hash = block_hash
-            self.cached[block_hash] = block
+        if block_hash in self.cached:  # an equal block got there first; this one stays plain
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_cache(self) -> None:
@@ -129,6 +139,8 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the given order (pass tail first)."""

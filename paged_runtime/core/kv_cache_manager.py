@@ -7,9 +7,12 @@ preempted. ``allocate_slots`` is the only way a table grows: it either reserves
 every slot asked for or nothing.
 
 Prefix caching: once a block is full and its KV written, it is hashed with
-``H(parent hash, its token ids, cache salt)`` and becomes findable. A new
-request starts from the longest run of cached blocks of its tokens, capped
-so that its last token is always computed (its logits are needed).
+``H((parent hash, its token ids, extra keys))`` (vLLM's definition, ``core/block_hash.py``: the cache salt is
+the first block's extra key) and becomes findable. A new request starts from the longest run of cached blocks
+of its tokens, capped so that its last token is always computed (its logits are needed).
+
+KV-cache events (``core/kv_events.py``): with a recorder, every block that becomes findable is recorded as
+stored (its hash, its parent's, its tokens) when ``pool.cache`` takes it; the pool records what leaves.
 
 Copy-on-write: ``fork`` shares every block of a table, the partial tail
 included, by reference count. A shared block is never written: before a
@@ -41,23 +44,18 @@ table changed since the last take, so only the change need be sent::
 """
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from paged_runtime.core.block_hash import BlockHasher, first_block_extra_keys
 from paged_runtime.core.block_pool import BlockPool, KVBlock
+from paged_runtime.core.kv_events import KVEventRecorder
 from paged_runtime.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
-    return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes() + salt).digest()
 
 
 def blocks_needed(num_tokens: int, block_size: int, sliding_window: int | None, max_chunk: int) -> int:
@@ -85,15 +83,20 @@ HOLE_BLOCK_ID = 0
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, hash_algo: str = "sha256",
+                 events: KVEventRecorder | None = None) -> None:
         """``sliding_window``: every attention layer's window (the largest, if they differ): blocks wholly
-        before the next query's window are released. None (any full-context layer): every block is kept."""
+        before the next query's window are released. None (any full-context layer): every block is kept.
+        ``hash_algo``: the block hash (``block_hash.HASH_FUNCTIONS``); ``events``: where KV-cache events go
+        (None: none are recorded)."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks)
+        self.hasher = BlockHasher(hash_algo)
+        self.events = events
+        self.pool = BlockPool(num_blocks, events)
         self.tables: dict[str, list[KVBlock | None]] = {}  # None: a hole (released, outside the window)
         self.num_holes: dict[str, int] = {}  # leading holes of each table
         self.table_ids: dict[str, list[int]] = {}  # the same tables as plain ids, for the runner
@@ -146,16 +149,22 @@ class KVCacheManager:
         if num_full <= first:
             return
         self._hash_full_blocks(request)
-        for block, block_hash in zip(table[first:num_full], request.block_hashes[first:num_full]):
-            if block is not None:  # a hole has no KV left to offer
-                self.pool.cache(block, block_hash)  # never offered before: past this table's hashed count
+        for i in range(first, num_full):
+            block = table[i]  # never offered before: past this table's hashed count; a hole has no KV to offer
+            if block is not None and self.pool.cache(block, request.block_hashes[i]) and self.events is not None:
+                self._record_stored(request, i)
         self.num_hashed_blocks[request.request_id] = num_full
+
+    def _record_stored(self, request: Request, i: int) -> None:
+        hashes, bs = request.block_hashes, self.block_size
+        self.events.stored(hashes[i], hashes[i - 1] if i else None, request.all_token_ids[i * bs:(i + 1) * bs])
 
     def _hash_full_blocks(self, request: Request) -> None:
         bs, hashes = self.block_size, request.block_hashes
-        salt = request.cache_salt.encode() if request.cache_salt else b""
         for i in range(len(hashes), request.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else b"", request.all_token_ids[i * bs:(i + 1) * bs], salt))
+            extra_keys = None if i else first_block_extra_keys(request.cache_salt)
+            hashes.append(self.hasher(hashes[-1] if hashes else None, request.all_token_ids[i * bs:(i + 1) * bs],
+                                      extra_keys))
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash; the blocks now in tables are not offered to the cache again."""

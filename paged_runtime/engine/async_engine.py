@@ -214,10 +214,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | EngineConfig, *, max_waiting_requests: int | None = None,
                  stat_loggers: Sequence[StatLogger] = (), stats_flush_interval: float = 10.0,
-                 step_timeout: float | None = None) -> None:
+                 registry=None, step_timeout: float | None = None) -> None:
         """Starts the loop thread and returns once the engine is ready; an engine that fails to build
         raises here. ``stats_flush_interval``: after activity stops, the loop wakes once this much later
         so the stat loggers see the idle state (a log line's last interval) without a timer of their own.
+        ``registry``: the Prometheus registry of the engine's own counters, for an engine built here.
         ``step_timeout``: seconds one pass may run before the engine is declared stalled (None: never)."""
         self.max_waiting_requests = _checked_waiting_limit(max_waiting_requests)
         self.stat_loggers = list(stat_loggers)
@@ -242,8 +243,8 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._watchdog = StepWatchdog(step_timeout, self._stalled) if step_timeout else None
-        self._thread = threading.Thread(target=self._start_and_run, args=(engine,), name="paged-runtime-step-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._start_and_run, args=(engine, registry),
+                                        name="paged-runtime-step-loop", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
@@ -254,9 +255,9 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncEngine:
         return cls(config, **kwargs)
 
-    def _start_and_run(self, engine: LLMEngine | EngineConfig) -> None:
+    def _start_and_run(self, engine: LLMEngine | EngineConfig, registry) -> None:
         try:
-            self._attach(LLMEngine(engine) if isinstance(engine, EngineConfig) else engine)
+            self._attach(LLMEngine(engine, registry) if isinstance(engine, EngineConfig) else engine)
         except BaseException as e:  # reported by __init__ in the caller's thread
             self._start_error = e
             return

@@ -19,6 +19,11 @@ later than it happened, and nothing the first time. Stop strings and aborts appl
 take effect within one step (a finished request's tokens from the step in flight are dropped).
 When step N fails, step N + 1 refuses to run (it was scheduled on outputs that never came) and is
 rolled back (``Scheduler.unschedule``) before step N's requests are failed as above.
+
+KV-cache events (``EngineConfig.kv_events_config``; ``core/kv_events.py``): the KV-cache manager records what
+the block pool stores, evicts and clears; every ``step()`` (failed or not) and every ``reset_prefix_cache()``
+ends by handing what was recorded, if anything, to the publisher as one batch. One publisher per engine,
+whatever its tensor and pipeline ranks: the block pool lives here, not in the workers.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ from pathlib import Path
 from paged_runtime.config import EngineConfig
 from paged_runtime.utils.devices import resolve_device, resolve_dtype
 from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
+from paged_runtime.core.kv_events import KVEventRecorder
+from paged_runtime.engine.kv_event_publisher import EventPublisher, make_publisher
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.executor import ExecutorDead, UniProcExecutor, check_parallel, make_executor
@@ -105,7 +112,8 @@ class SpecDecodeStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig, registry=None) -> None:
+        """``registry``: the Prometheus registry of the KV-event publisher's counter (default: the process's)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
@@ -122,7 +130,11 @@ class EngineCore:
                                                  per_request, spec.num_speculative_tokens if spec else 0))
         info = self.executor.info
         self.num_blocks, self.attention_backend = info.num_blocks, info.attention_backend
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window)
+        events = config.kv_events_config
+        self.kv_events = KVEventRecorder(config.block_size) if events is not None and events.active else None
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window,
+                                       config.prefix_caching_hash_algo, self.kv_events)
+        self.kv_event_publisher = self._publisher(registry)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
                                    rope_switch=info.rope_switch)
@@ -137,6 +149,14 @@ class EngineCore:
                     + (f", {config.tensor_parallel_size} x {config.pipeline_parallel_size} ranks (tensor x pipeline)"
                        if config.world_size > 1 else "")
                     + (", asynchronous scheduling" if self._step_thread else ""))
+
+    def _publisher(self, registry) -> EventPublisher:
+        try:
+            return make_publisher(self.config.kv_events_config, self.config.kv_events_format,
+                                  self.config.served_model_names[0], registry)
+        except BaseException:
+            self.executor.shutdown()  # e.g. the endpoint's port is taken: the engine never starts
+            raise
 
     def _async_scheduling(self, spec: SpeculativeConfig | None) -> bool:
         """The configured choice; by default on for one CUDA device (host work hides behind the device's) and
@@ -175,10 +195,11 @@ class EngineCore:
         self.executor.use_grammars(grammars)
 
     def shutdown(self) -> None:
-        """Stop the workers (after the step in flight); idempotent."""
+        """Stop the workers (after the step in flight) and the KV-event publisher; idempotent."""
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True)
         self.executor.shutdown()
+        self.kv_event_publisher.close()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -195,12 +216,27 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand the events recorded since the last call to the publisher, as one batch (none if none)."""
+        if self.kv_events is not None:
+            events = self.kv_events.take()
+            if events:
+                self.kv_event_publisher.publish(events)
 
     def step(self, sync: bool = False) -> list[StepUpdate]:
         """One scheduling step and forward pass; the sequences' new tokens and prompt logprobs, and
         (token_id None, status FINISHED_ERROR) every request the scheduler failed. With asynchronous
         scheduling, the tokens are those of the step launched by the previous call, unless ``sync``
-        (beam search: its driver picks each beam's next token between steps)."""
+        (beam search: its driver picks each beam's next token between steps). Ends by publishing the
+        step's KV-cache events."""
+        try:
+            return self._step(sync)
+        finally:
+            self._publish_kv_events()
+
+    def _step(self, sync: bool) -> list[StepUpdate]:
         if self._step_thread is None or sync:
             return self._drain() + self._step_now()
         out, failed = self._schedule()

@@ -78,11 +78,13 @@ class RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, registry=None) -> None:
+        """``registry``: the Prometheus registry of the engine's own counters (the KV-event publisher's; default:
+        the process's)."""
         self.config = config
         self.model_path = resolve_model_path(config.model, config.cache_dir)
         model_config = ModelConfig.from_folder(self.model_path)
-        self.core = EngineCore(config, self.model_path, model_config)
+        self.core = EngineCore(config, self.model_path, model_config, registry)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
         self.grammars = GrammarBackend(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
@@ -174,7 +176,7 @@ class LLMEngine:
                 "enable_prefix_caching": str(config.enable_prefix_caching),
                 "gpu_memory_utilization": str(config.gpu_memory_utilization),
                 "num_gpu_blocks": str(self.core.num_blocks), "num_cpu_blocks": "None",
-                "prefix_caching_hash_algo": str(getattr(config, "prefix_caching_hash_algo", "sha256"))}
+                "prefix_caching_hash_algo": config.prefix_caching_hash_algo}
 
     def reconfigure(self, *, max_num_seqs: int) -> bool:
         """Move the batch limit to ``max_num_seqs``; True once fully applied, False to call again after a step.

@@ -81,7 +81,8 @@ def make_engine(config: EngineConfig, server: ServerConfig, registry=None):
     if not server.disable_log_stats:
         stat_loggers.append(LoggingStatLogger(server.log_stats_interval))
     return AsyncEngine.from_config(config, max_waiting_requests=server.max_waiting_requests,
-                                   stat_loggers=stat_loggers, step_timeout=server.engine_step_timeout)
+                                   stat_loggers=stat_loggers, step_timeout=server.engine_step_timeout,
+                                   registry=registry)
 
 
 def serve_http(engine, config: EngineConfig, server: ServerConfig, options: dict) -> None:

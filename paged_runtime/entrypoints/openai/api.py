@@ -9,9 +9,10 @@ no exception handlers of ours.
 Routes: POST /v1/completions, POST /v1/chat/completions, their two
 ``/render`` twins (vLLM's: the exact prompt token ids and sampling
 parameters a generate request would submit, nothing generated), GET
-/v1/models, POST /tokenize, POST /detokenize (these need ``Authorization:
-Bearer <key>`` with one of the keys, when keys are set; with several keys
-each is a tenant with a prefix cache of its own, see ``access.py``), GET
+/v1/models, POST /tokenize, POST /detokenize, POST /reset_prefix_cache
+(these need ``Authorization: Bearer <key>`` with one of the keys, when keys
+are set; with several keys each is a tenant with a prefix cache of its own,
+see ``access.py``), GET
 /health, GET /version (always open), GET /metrics (open unless
 ``metrics_require_api_key``).
 
@@ -259,6 +260,12 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     @router.get("/version")
     async def version() -> dict:
         return {"version": __version__}
+
+    @router.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: forget every cached prefix (KV-cache event subscribers get AllBlocksCleared)."""
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
 
     @router.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict:
