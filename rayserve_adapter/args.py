@@ -38,7 +38,10 @@ class ServeFields(BaseModel):
     max_ongoing_requests: int | None = Field(default=None, ge=1)  # None: max_num_seqs
     max_queued_requests: int = -1  # per handle; beyond it, 429 with Retry-After. -1: unbounded
     retry_after_s: float = Field(default=1.0, ge=0)
-    prefix_aware_routing: bool = True  # multi-replica mode only
+    # Multi-replica mode's router: kv_events (the replicas' KV-cache events: the replica holding the longest
+    # cached prefix of the request's tokens), prefix (prefix affinity by what was routed where), or
+    # power_of_two (Serve's default).
+    request_router: Literal["kv_events", "prefix", "power_of_two"] = "kv_events"
     routing_stats_period_s: float = Field(default=2.0, gt=0)
 
     @field_validator("max_queued_requests")
@@ -95,9 +98,17 @@ class ServeFields(BaseModel):
         from paged_runtime.entrypoints.openai.api import app_options
         return app_options(self.server_config())
 
-    def engine_config(self) -> EngineConfig:
-        """The ``EngineConfig`` for one replica's engine."""
+    @property
+    def kv_event_routing(self) -> bool:
+        return self.multi_replica and self.request_router == "kv_events"
+
+    def engine_config(self, kv_events_topic: str | None = None) -> EngineConfig:
+        """The ``EngineConfig`` for one replica's engine; with KV-event routing (and no ``kv_events_config`` of
+        the user's), its events go out on a port of its own under ``kv_events_topic``."""
         overrides: dict[str, Any] = {}
+        if self.kv_event_routing and self.kv_events_config is None:
+            overrides["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                             "endpoint": "tcp://*:*", "topic": kv_events_topic or "kv@"}
         if self.world_size > 1:
             # The ranks are Ray actors in the replica's placement group. The replica holds no GPU itself, so
             # "auto" would mean the CPU there (dtype, scheduling): the ranks' GPUs decide.

@@ -38,6 +38,7 @@ class ForwardedRequest:
     headers: Headers = ()
     body: bytes = b""
     routing_key: str | None = None
+    routing_tokens: tuple[int, ...] | None = None  # the prompt's token ids, for KV-event routing
 
 
 @dataclass(frozen=True, slots=True)

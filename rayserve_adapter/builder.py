@@ -3,7 +3,8 @@
 One replica (the default): the model deployment is the application's ingress
 and serves the OpenAI routes itself. More than one (``num_replicas > 1``, or
 ``autoscaling_config`` with ``max_replicas > 1``): an ingress deployment
-forwards to the model deployment, routed prefix-aware.
+forwards to the model deployment, routed by the replicas' KV-cache events
+(``request_router``: or prefix affinity, or Serve's power of two choices).
 
 Deployment options derived from the arguments:
 
@@ -33,6 +34,8 @@ from rayserve_adapter.deployment import (INGRESS_DEPLOYMENT, MODEL_DEPLOYMENT, P
                                          PagedRuntimeServer)
 
 ROUTER_PATH = "rayserve_adapter.router:PrefixAffinityRouter"
+KV_ROUTER_PATH = "rayserve_adapter.kv_router:KVEventRouter"
+ROUTERS = {"kv_events": KV_ROUTER_PATH, "prefix": ROUTER_PATH}  # power_of_two: Serve's own
 INGRESS_HEADROOM = 64  # requests beyond the model's capacity the ingress holds: /health, /metrics, the queue
 SHUTDOWN_MARGIN_S = 5.0  # the ingress outlives the model replicas' grace by this much (their last error events)
 
@@ -43,7 +46,8 @@ def app(args: AppArgs) -> Application:
     if not args.multi_replica:
         return PagedRuntimeServer.options(**model_options(args)).bind(args)
     model = PagedRuntimeBackend.options(**model_options(args)).bind(args)
-    return PagedRuntimeIngress.options(**ingress_options(args)).bind(model, args.max_request_body_bytes)
+    return PagedRuntimeIngress.options(**ingress_options(args)).bind(model, args.max_request_body_bytes,
+                                                                     args.kv_event_routing)
 
 
 def model_options(args: AppArgs) -> Dict[str, Any]:
@@ -61,8 +65,8 @@ def model_options(args: AppArgs) -> Dict[str, Any]:
         options["num_replicas"] = args.num_replicas
     if args.multi_replica:
         router: Dict[str, Any] = {"request_routing_stats_period_s": args.routing_stats_period_s}
-        if args.prefix_aware_routing:
-            router["request_router_class"] = ROUTER_PATH
+        if args.request_router in ROUTERS:
+            router["request_router_class"] = ROUTERS[args.request_router]
         options["request_router_config"] = router
     return options
 
@@ -104,4 +108,5 @@ def placement_options(args: AppArgs) -> Dict[str, Any]:
     return {"ray_actor_options": actor, "placement_group_bundles": bundles, "placement_group_strategy": strategy}
 
 
-__all__ = ["app", "model_options", "ingress_options", "placement_options", "ROUTER_PATH", "SHUTDOWN_MARGIN_S"]
+__all__ = ["app", "model_options", "ingress_options", "placement_options", "ROUTER_PATH", "KV_ROUTER_PATH",
+           "SHUTDOWN_MARGIN_S"]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -65,6 +66,7 @@ from paged_runtime.entrypoints.openai.errors import OpenAIError
 from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
+from rayserve_adapter.kv_router import KV_BLOCK_SIZE_STAT, KV_EVENTS_ENDPOINT_STAT, topic_of
 from rayserve_adapter.router import routing_key
 
 MODEL_DEPLOYMENT = "PagedRuntimeServer"
@@ -72,6 +74,7 @@ INGRESS_DEPLOYMENT = "PagedRuntimeIngress"
 LIVE_SETTINGS = frozenset({"max_num_seqs", "max_waiting_requests"})  # what reconfigure applies
 HTTP_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 SSE_DONE = b"data: [DONE]\n\n"
+GENERATE_PATHS = ("/completions", "/chat/completions")  # the routes whose prompts are routed
 
 logger = logging.getLogger("rayserve_adapter")
 
@@ -89,7 +92,9 @@ class EngineReplica:
         logging.getLogger("paged_runtime").setLevel(self.args.log_level.upper())
         self.drain = Drain()  # gates the OpenAI app: 503 for new requests once graceful_shutdown() began
         self.registry = CollectorRegistry()  # this replica's /metrics shows this replica's engine only
-        self.engine: EngineClient = make_engine(self.args.engine_config(), self.args.server_config(), self.registry)
+        self.replica_id = _replica_id()
+        self.engine: EngineClient = make_engine(self.args.engine_config(topic_of(self.replica_id)),
+                                                self.args.server_config(), self.registry)
 
     @cached_property
     def asgi_app(self):
@@ -105,6 +110,19 @@ class EngineReplica:
         async with contextlib.aclosing(stream_asgi(self.asgi_app, request)) as parts:  # closing us closes it
             async for part in parts:
                 yield part
+
+    async def render_tokens(self, request: ForwardedRequest) -> tuple[int, ...] | None:
+        """The token ids a generate request's (first) prompt will run with, from its ``/render`` twin; None if
+        the replica would refuse the request (it then answers the client itself) or it is no generate route."""
+        if request.method != "POST" or not request.path.endswith(GENERATE_PATHS):
+            return None
+        rendered = dataclasses.replace(request, path=request.path + "/render")
+        parts = [part async for part in stream_asgi(self.asgi_app, rendered)]
+        if not parts or parts[0].status != 200:
+            return None
+        body = json.loads(b"".join(parts[1:]))
+        first = body[0] if isinstance(body, list) else body
+        return tuple(first["token_ids"]) if first else None
 
     def check_health(self) -> None:
         """Raises once the engine is dead or stalled (Serve replaces the replica), or while it drains (not ready)."""
@@ -133,6 +151,8 @@ class EngineReplica:
         aborted = self.registry.get_sample_value(
             "vllm:request_success_total", {"model_name": self.args.served_model_names[0], "finished_reason": "abort"})
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                KV_EVENTS_ENDPOINT_STAT: _reachable(self.engine.kv_events_endpoint),
+                KV_BLOCK_SIZE_STAT: self.engine.config.block_size,
                 "kv_cache_usage": stats.kv_cache_usage, "num_prefix_queries": stats.num_prefix_queries,
                 "num_prefix_hits": stats.num_prefix_hits, "num_preemptions": stats.num_preemptions,
                 "num_aborted_requests": int(aborted or 0), "healthy": self.engine.is_healthy}
@@ -156,6 +176,22 @@ class EngineReplica:
         self.shutdown()
 
 
+def _replica_id() -> str:
+    """This replica's unique id under Serve (its KV events' topic); "local" for a replica made by hand."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica (tests build one directly)
+        return "local"
+
+
+def _reachable(endpoint: str | None) -> str | None:
+    """A bound wildcard address as other nodes reach it: this node's IP in place of 0.0.0.0."""
+    if endpoint is None or "0.0.0.0" not in endpoint:
+        return endpoint
+    import ray
+    return endpoint.replace("0.0.0.0", ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+
+
 class ServeEngineReplica(EngineReplica):
     """``EngineReplica`` as Serve runs it: Serve awaits an async ``__del__`` on the replica's loop, where the
     drain can let responses finish (a plain object keeps the synchronous one: the garbage collector
@@ -168,8 +204,11 @@ class ServeEngineReplica(EngineReplica):
 class OpenAIIngress:
     """Multi-replica mode's HTTP front: forwards to the model deployment (see the module docstring)."""
 
-    def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
+    def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 render_tokens: bool = False) -> None:
+        """``render_tokens``: ask a replica for each generate request's token ids first (KV-event routing)."""
         self.model = model.options(stream=True)
+        self.renderer = model.options(stream=False) if render_tokens else None
         self.max_request_body_bytes = max_request_body_bytes  # the replica's limit: never buffer more than it takes
 
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -180,6 +219,10 @@ class OpenAIIngress:
             forwarded = await _forwarded(request, self.max_request_body_bytes)
         except OpenAIError as e:  # a body over the limit: answered here, as the replica would
             return e.response()
+        try:
+            forwarded = await self._with_tokens(forwarded)
+        except BackPressureError as e:  # the render waited in the same queue: it is as full for the request
+            return overloaded(e)
         stream: DeploymentResponseGenerator = self.model.forward.remote(forwarded)
         handed_over = False
         try:
@@ -200,6 +243,22 @@ class OpenAIIngress:
         finally:
             if not handed_over:  # cancelled (the client left) or failed: the replica must abort too. Serve
                 stream.cancel()  # propagates a cancelled request to its child calls; this does not rely on it
+
+
+    async def _with_tokens(self, forwarded: ForwardedRequest) -> ForwardedRequest:
+        """With KV-event routing, a generate request's prompt token ids, rendered by a replica; unchanged
+        where they cannot be had (the request then goes by prefix affinity): only the queue's backpressure
+        is the client's business."""
+        if self.renderer is None or forwarded.routing_key is None:
+            return forwarded
+        try:
+            tokens = await self.renderer.render_tokens.remote(forwarded)
+        except BackPressureError:
+            raise
+        except Exception as e:
+            logger.warning("no token ids to route on (%s: %s)", type(e).__name__, e)
+            return forwarded
+        return dataclasses.replace(forwarded, routing_tokens=tokens)
 
 
 async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:

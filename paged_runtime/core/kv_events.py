@@ -112,6 +112,13 @@ def _check_types(config: KVEventsConfig) -> None:
 
 
 # ---- the events ----------------------------------------------------------------------------------------------
+# Each event's fields on the wire, in vLLM's order (the array layout's positions, the map layout's keys).
+WIRE_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                               "lora_name"),
+               "BlockRemoved": ("block_hashes", "medium"),
+               "AllBlocksCleared": ()}
+
+
 @dataclass(slots=True)
 class BlockStored:
     TAG: ClassVar[str] = "BlockStored"
@@ -120,11 +127,11 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
 
-    def wire(self, external: Callable[[bytes], Any]) -> list[tuple[str, Any]]:
+    def wire(self, external: Callable[[bytes], Any]) -> list[Any]:
+        """The values of ``WIRE_FIELDS[TAG]``, hashes in their ``external`` form."""
         parent = None if self.parent_block_hash is None else external(self.parent_block_hash)
-        return [("block_hashes", [external(h) for h in self.block_hashes]), ("parent_block_hash", parent),
-                ("token_ids", self.token_ids), ("block_size", self.block_size), ("lora_id", None),
-                ("medium", MEDIUM_GPU), ("lora_name", None)]
+        return [[external(h) for h in self.block_hashes], parent, self.token_ids, self.block_size, None, MEDIUM_GPU,
+                None]
 
 
 @dataclass(slots=True)
@@ -132,15 +139,15 @@ class BlockRemoved:
     TAG: ClassVar[str] = "BlockRemoved"
     block_hashes: list[bytes]
 
-    def wire(self, external: Callable[[bytes], Any]) -> list[tuple[str, Any]]:
-        return [("block_hashes", [external(h) for h in self.block_hashes]), ("medium", MEDIUM_GPU)]
+    def wire(self, external: Callable[[bytes], Any]) -> list[Any]:
+        return [[external(h) for h in self.block_hashes], MEDIUM_GPU]
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
     TAG: ClassVar[str] = "AllBlocksCleared"
 
-    def wire(self, external: Callable[[bytes], Any]) -> list[tuple[str, Any]]:
+    def wire(self, external: Callable[[bytes], Any]) -> list[Any]:
         return []
 
 
@@ -185,10 +192,28 @@ class KVEventRecorder:
 # ---- the wire --------------------------------------------------------------------------------------------------
 def encode_event(event: KVEvent, layout: str, external: Callable[[bytes], Any]) -> list | dict:
     """One event as vLLM lays it out: a tagged array, or (``map``) a map with the tag under "type"."""
-    pairs = event.wire(external)
+    values = event.wire(external)
     if layout == "map":
-        return {"type": event.TAG, **dict(pairs)}
-    return [event.TAG, *(value for _, value in pairs)]
+        return {"type": event.TAG, **dict(zip(WIRE_FIELDS[event.TAG], values))}
+    return [event.TAG, *values]
+
+
+def decode_event(event: list | dict) -> tuple[str, dict[str, Any]]:
+    """(tag, fields by name) of one event in either layout; fields a sender left out are absent. ValueError
+    for an unknown tag (a newer sender's event: the caller skips it)."""
+    if isinstance(event, dict):
+        tag, values = event.get("type"), {k: v for k, v in event.items() if k != "type"}
+    else:
+        tag, values = event[0], dict(zip(WIRE_FIELDS.get(event[0], ()), event[1:]))
+    if tag not in WIRE_FIELDS:
+        raise ValueError(f"unknown KV event {tag!r}")
+    return tag, values
+
+
+def decode_batch(payload: bytes) -> tuple[float, list, int]:
+    """``encode_batch``'s inverse: (ts, [event as sent], data_parallel_rank)."""
+    ts, events, rank = msgpack.unpackb(payload, raw=False)
+    return ts, events, rank
 
 
 def encode_batch(ts: float, events: Sequence[KVEvent], layout: str, external: Callable[[bytes], Any],

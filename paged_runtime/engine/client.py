@@ -130,6 +130,12 @@ class EngineClient(Protocol):
     @property
     def is_healthy(self) -> bool: ...
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The address the KV-cache events' PUB socket bound (its port chosen when the config said ``*``), for
+        subscribers to connect to; None when events are off or the socket connects out instead."""
+        ...
+
     def check_health(self) -> None:
         """Raises ``EngineDeadError`` unless the engine serves."""
         ...

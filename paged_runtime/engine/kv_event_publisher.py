@@ -52,6 +52,8 @@ _POLL_S = 0.05  # how often an idle sender thread looks for replay requests and 
 
 
 class EventPublisher(Protocol):
+    bound_endpoint: str | None  # the address the PUB socket bound, if it bound one
+
     def publish(self, events: list[KVEvent]) -> None:
         """Hand one step's events over; returns at once (never waits for the network)."""
 
@@ -61,6 +63,7 @@ class EventPublisher(Protocol):
 
 class NullEventPublisher:
     """Events off: nothing is recorded, so nothing is ever published."""
+    bound_endpoint = None
 
     def publish(self, events: list[KVEvent]) -> None:
         pass
@@ -108,6 +111,7 @@ class ZmqEventPublisher:
         self.event_format = event_format
         self._on_drop = on_drop
         self._external = external_hash_form()
+        self.bound_endpoint: str | None = None  # set once bound: the actual address (a '*' port filled in)
         self._topic = config.topic.encode()
         self._queue: queue.Queue = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -169,6 +173,7 @@ class ZmqEventPublisher:
             pub.set_hwm(config.hwm)
             if binds(config.endpoint):
                 pub.bind(config.endpoint)
+                self.bound_endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
             else:
                 pub.connect(config.endpoint)
             if config.replay_endpoint is not None:

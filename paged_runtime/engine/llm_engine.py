@@ -169,6 +169,11 @@ class LLMEngine:
         """Where the engine stands: gauges now, counters since start-up (taken on demand, not every step)."""
         return self.core.stats()
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """See ``EngineClient.kv_events_endpoint``."""
+        return self.core.kv_event_publisher.bound_endpoint
+
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache as vLLM's ``cache_config_info`` metric labels it (``metrics.CACHE_CONFIG_LABELS``)."""
         config = self.config

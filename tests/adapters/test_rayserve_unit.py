@@ -19,7 +19,7 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 from rayserve_adapter import AppArgs, app  # noqa: E402
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart  # noqa: E402
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_WAITING, POLICY_PATH, EngineAutoscalingPolicy  # noqa: E402
-from rayserve_adapter.builder import ROUTER_PATH, ingress_options, model_options, placement_options  # noqa: E402
+from rayserve_adapter.builder import KV_ROUTER_PATH, ROUTER_PATH, ingress_options, model_options, placement_options  # noqa: E402,E501
 from rayserve_adapter.router import (MAX_KEY_CHARS, PrefixAffinityRouter, PrefixIndex, rank_replicas,  # noqa: E402
                                      routing_key)
 
@@ -99,9 +99,15 @@ def test_multi_replica_app_is_an_ingress_over_prefix_routed_replicas():
     model = ingress.init_args[0]._bound_deployment
     assert model.name == "PagedRuntimeServer" and model.num_replicas == 3 and model.max_ongoing_requests == 8
     router = model._deployment_config.request_router_config
-    assert router.request_router_class == ROUTER_PATH
-    assert router.get_request_router_class().__name__ == "PrefixAffinityRouter"  # importable, pickled by value
-    plain = app({"num_replicas": 2, "prefix_aware_routing": False})._bound_deployment.init_args[0]._bound_deployment
+    assert router.request_router_class == KV_ROUTER_PATH
+    assert router.get_request_router_class().__name__ == "KVEventRouter"  # importable, pickled by value
+    assert ingress.init_args[2] is True  # the ingress renders each prompt's tokens for the router
+    prefix = app({"num_replicas": 2, "request_router": "prefix"})._bound_deployment
+    config = prefix.init_args[0]._bound_deployment._deployment_config.request_router_config
+    assert config.request_router_class == ROUTER_PATH and config.get_request_router_class().__name__ == \
+        "PrefixAffinityRouter"
+    assert prefix.init_args[2] is False
+    plain = app({"num_replicas": 2, "request_router": "power_of_two"})._bound_deployment.init_args[0]._bound_deployment
     assert plain._deployment_config.request_router_config.is_default_request_router()
 
 
