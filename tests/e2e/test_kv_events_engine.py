@@ -78,3 +78,18 @@ def test_no_events_config_records_nothing(tiny_llama_dir):
     core = llm.engine.core
     assert core.kv_events is None and core.kv_cache.pool.events is None
     assert type(core.kv_event_publisher).__name__ == "NullEventPublisher"
+
+
+@pytest.mark.parallel
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_one_publisher(tiny_llama_dir, monkeypatch):
+    """Two tensor-parallel ranks, one engine: each block is published once, with the same hashes as one rank."""
+    llm, replay = events_llm(tiny_llama_dir, monkeypatch, tensor_parallel_size=2, max_model_len=128,
+                             kv_cache_memory=16 * PER_BLOCK)
+    prompt = list(range(2000, 2040))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    tokens = prompt + list(out.outputs[0].token_ids)
+    hashes, token_ids, _ = stored_blocks(replayed_batches(replay))
+    assert hashes == [low64(h) for h in vllm_block_hashes("sha256", SEED, tokens, BS)] and token_ids == tokens[:48]
+    llm.engine.shutdown()
