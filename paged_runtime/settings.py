@@ -254,6 +254,22 @@ def parse_bytes(text: str) -> int:
     return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
+def json_object(value: dict[str, Any] | str, name: str, known: typing.Iterable[str]) -> dict[str, Any]:
+    """A setting given as a JSON object (``--speculative-config``, ``--kv-events-config``): its text or a dict,
+    as a new dict; a ValueError naming ``name`` for bad JSON, another type, or a key outside ``known``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, got {type(value).__name__}")
+    unknown = set(value) - set(known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {sorted(unknown)}; its keys are {list(known)}")
+    return dict(value)
+
+
 def parse_words(text: str) -> list[str]:
     """'a b', 'a,b' -> ['a', 'b']: a list given as one text (an environment variable, a Ray argument)."""
     return [word for word in re.split(r"[\s,]+", text) if word]

@@ -36,12 +36,13 @@ default the low 64 bits as an unsigned integer, as vLLM sends them.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import msgpack
+
+from paged_runtime.settings import json_object
 
 MEDIUM_GPU = "GPU"
 PUBLISHERS = ("null", "zmq")
@@ -84,18 +85,7 @@ class KVEventsConfig:
         """From a dict, a JSON object's text (``--kv-events-config``) or None; unknown keys are refused."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be an object, got {type(value).__name__}")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown keys {sorted(unknown)}; vLLM's keys are "
-                             f"{[f.name for f in fields(cls)]}")
-        return cls(**value)
+        return cls(**json_object(value, "kv_events_config", [f.name for f in fields(cls)]))
 
 
 _KIND_NAMES = {bool: "a boolean", int: "an integer", str: "a string"}

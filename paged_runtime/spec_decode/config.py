@@ -1,9 +1,10 @@
 """``speculative_config`` as vLLM spells it, validated once at start-up."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from paged_runtime.settings import json_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -33,21 +34,11 @@ class SpeculativeConfig:
         """From a dict, a JSON string (the CLI's ``--speculative-config``) or None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
-        value = dict(value)
+        value = json_object(value, "speculative_config", cls.__dataclass_fields__)
         if "method" not in value:  # vLLM infers the method from what is given
             value["method"] = "draft_model" if value.get("model") else "ngram"
         if value["method"] == "draft":
             value["method"] = "draft_model"
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown fields: {sorted(unknown)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         return cls(**value)

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from helpers.serve_fakes import FakeReplica  # noqa: E402
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from paged_runtime.core.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig,  # noqa: E402
@@ -75,19 +76,6 @@ def test_expected_blocks_count_until_their_events_come_or_they_expire():
     assert stale.match(prompt)[0] == {}
 
 
-class FakeReplica:
-    """What Serve's router reads from a RunningReplica."""
-
-    def __init__(self, name: str, stats: dict | None = None) -> None:
-        self.replica_id = ReplicaID(name, DeploymentID("PagedRuntimeServer", "app"))
-        self.max_ongoing_requests = 8
-        self.routing_stats = {KV_BLOCK_SIZE_STAT: BS, **(stats or {})}
-        self.node_id, self.availability_zone, self.multiplexed_model_ids = "node", None, set()
-
-    async def get_queue_len(self, *, deadline_s: float) -> int:
-        return 0
-
-
 def pending(tokens: list[int] | None, key: str | None = "k") -> PendingRequest:
     request = ForwardedRequest("POST", "/v1/completions", routing_key=key,
                                routing_tokens=tuple(tokens) if tokens else None)
@@ -99,7 +87,7 @@ def test_the_router_sends_a_prompt_where_its_blocks_are_and_sheds_a_hot_holder()
         router = KVEventRouter(DeploymentID("PagedRuntimeServer", "app"), DeploymentHandleSource.UNKNOWN,
                                use_replica_queue_len_cache=True)
         router.initialize_state(max_imbalance=2)
-        a, b = FakeReplica("a"), FakeReplica("b")
+        a, b = (FakeReplica(name, routing_stats={KV_BLOCK_SIZE_STAT: BS}) for name in "ab")
         router.update_replicas([a, b])
         prompt = list(range(40))
 

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from helpers.serve_fakes import FakeReplica  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
@@ -295,19 +296,6 @@ def test_routing_key_falls_back_to_load_routing_for_what_it_cannot_use():
     assert routing_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"text": 5}]}]}') == "user: "
     long = "y" * (MAX_KEY_CHARS + 1000)
     assert routing_key("/v1/completions", json.dumps({"prompt": long}).encode()) == long[:MAX_KEY_CHARS]
-
-
-class FakeReplica:
-    """What Serve's router reads from a RunningReplica."""
-
-    def __init__(self, name: str, max_ongoing_requests: int = 8) -> None:
-        self.replica_id = ReplicaID(name, DeploymentID("PagedRuntimeServer", "app"))
-        self.max_ongoing_requests = max_ongoing_requests
-        self.routing_stats: dict = {}
-        self.node_id, self.availability_zone, self.multiplexed_model_ids = "node", None, set()
-
-    async def get_queue_len(self, *, deadline_s: float) -> int:
-        return 0
 
 
 def test_router_on_fake_replicas_sticks_prefixes_and_sheds_hot_replicas():

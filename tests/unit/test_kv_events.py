@@ -42,7 +42,7 @@ def test_config_takes_vllms_keys_and_defaults():
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"enable_kv_cache_events": true, "endpiont": "tcp://*:1"}', r"unknown keys \['endpiont'\]; vLLM's keys"),
+    ('{"enable_kv_cache_events": true, "endpiont": "tcp://*:1"}', r"unknown keys \['endpiont'\]; its keys are"),
     ("{not json", "not valid JSON"),
     ("[1]", "must be an object"),
     ({"publisher": "kafka"}, "publisher must be one of null, zmq"),

@@ -113,7 +113,7 @@ def test_config_parses_vllm_spellings_and_names_bad_fields():
     assert SpeculativeConfig.parse({"model": "/x", "num_speculative_tokens": 2}).method == "draft_model"
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.parse({"method": "ngram"})
-    with pytest.raises(ValueError, match="unknown fields"):
+    with pytest.raises(ValueError, match="unknown keys"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "k": 1})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5})
