@@ -67,6 +67,7 @@ from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
 from rayserve_adapter.kv_router import KV_BLOCK_SIZE_STAT, KV_EVENTS_ENDPOINT_STAT, topic_of
+from rayserve_adapter.render import PromptRenderer
 from rayserve_adapter.router import routing_key
 
 MODEL_DEPLOYMENT = "PagedRuntimeServer"
@@ -74,7 +75,6 @@ INGRESS_DEPLOYMENT = "PagedRuntimeIngress"
 LIVE_SETTINGS = frozenset({"max_num_seqs", "max_waiting_requests"})  # what reconfigure applies
 HTTP_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 SSE_DONE = b"data: [DONE]\n\n"
-GENERATE_PATHS = ("/completions", "/chat/completions")  # the routes whose prompts are routed
 
 logger = logging.getLogger("rayserve_adapter")
 
@@ -111,18 +111,10 @@ class EngineReplica:
             async for part in parts:
                 yield part
 
-    async def render_tokens(self, request: ForwardedRequest) -> tuple[int, ...] | None:
-        """The token ids a generate request's (first) prompt will run with, from its ``/render`` twin; None if
-        the replica would refuse the request (it then answers the client itself) or it is no generate route."""
-        if request.method != "POST" or not request.path.endswith(GENERATE_PATHS):
-            return None
-        rendered = dataclasses.replace(request, path=request.path + "/render")
-        parts = [part async for part in stream_asgi(self.asgi_app, rendered)]
-        if not parts or parts[0].status != 200:
-            return None
-        body = json.loads(b"".join(parts[1:]))
-        first = body[0] if isinstance(body, list) else body
-        return tuple(first["token_ids"]) if first else None
+    def render_spec(self) -> tuple[object, str | None, int]:
+        """What the ingress renders prompts with (``render.PromptRenderer``): the tokenizer, the chat template
+        (None: the tokenizer's) and ``max_model_len``."""
+        return self.engine.tokenizer, self.args.server_config().chat_template, self.engine.max_model_len
 
     def check_health(self) -> None:
         """Raises once the engine is dead or stalled (Serve replaces the replica), or while it drains (not ready)."""
@@ -206,9 +198,12 @@ class OpenAIIngress:
 
     def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  render_tokens: bool = False) -> None:
-        """``render_tokens``: ask a replica for each generate request's token ids first (KV-event routing)."""
+        """``render_tokens``: give the router each generate request's token ids (KV-event routing), rendered here
+        with a replica's tokenizer and chat template (``render.py``; fetched on first use)."""
         self.model = model.options(stream=True)
-        self.renderer = model.options(stream=False) if render_tokens else None
+        self.spec_source = model.options(stream=False) if render_tokens else None
+        self.renderer: PromptRenderer | None = None
+        self._renderer_lock = asyncio.Lock()
         self.max_request_body_bytes = max_request_body_bytes  # the replica's limit: never buffer more than it takes
 
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -219,10 +214,7 @@ class OpenAIIngress:
             forwarded = await _forwarded(request, self.max_request_body_bytes)
         except OpenAIError as e:  # a body over the limit: answered here, as the replica would
             return e.response()
-        try:
-            forwarded = await self._with_tokens(forwarded)
-        except BackPressureError as e:  # the render waited in the same queue: it is as full for the request
-            return overloaded(e)
+        forwarded = await self._with_tokens(forwarded)
         stream: DeploymentResponseGenerator = self.model.forward.remote(forwarded)
         handed_over = False
         try:
@@ -246,19 +238,24 @@ class OpenAIIngress:
 
 
     async def _with_tokens(self, forwarded: ForwardedRequest) -> ForwardedRequest:
-        """With KV-event routing, a generate request's prompt token ids, rendered by a replica; unchanged
-        where they cannot be had (the request then goes by prefix affinity): only the queue's backpressure
-        is the client's business."""
-        if self.renderer is None or forwarded.routing_key is None:
+        """With KV-event routing, a generate request with its prompt token ids; unchanged where they cannot be
+        had (the request then goes by prefix affinity)."""
+        if self.spec_source is None or forwarded.routing_key is None:
             return forwarded
-        try:
-            tokens = await self.renderer.render_tokens.remote(forwarded)
-        except BackPressureError:
-            raise
-        except Exception as e:
-            logger.warning("no token ids to route on (%s: %s)", type(e).__name__, e)
+        renderer = self.renderer or await self._fetch_renderer()
+        if renderer is None:
             return forwarded
-        return dataclasses.replace(forwarded, routing_tokens=tokens)
+        return dataclasses.replace(forwarded, routing_tokens=await renderer.tokens(forwarded.path, forwarded.body))
+
+    async def _fetch_renderer(self) -> PromptRenderer | None:
+        """A replica's tokenizer and template, once; None (tried again next time) if no replica could say."""
+        async with self._renderer_lock:
+            if self.renderer is None:
+                try:
+                    self.renderer = PromptRenderer(*await self.spec_source.render_spec.remote())
+                except Exception as e:
+                    logger.warning("no prompt renderer yet (%s: %s); routing by prefix affinity", type(e).__name__, e)
+            return self.renderer
 
 
 async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:

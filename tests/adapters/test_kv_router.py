@@ -137,25 +137,45 @@ def test_the_subscriber_reads_a_replicas_publisher_over_zmq():
         publisher.close()
 
 
-def test_a_replica_renders_the_token_ids_its_engine_will_run(tiny_llama_dir):
+def test_the_ingress_renders_the_token_ids_the_replica_will_run(tiny_llama_dir):
+    """The ingress's renderer, built from what a replica hands over, gives exactly the replica's /render ids."""
+    import json
+
+    import httpx
+
     from rayserve_adapter.deployment import EngineReplica
-    from rayserve_adapter.router import routing_key
+    from rayserve_adapter.render import PromptRenderer
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if tools %}[tools]{% endif %}"
     replica = EngineReplica({"model": str(tiny_llama_dir), "served_model_name": "tiny", "dtype": "float32",
-                             "max_model_len": 256, "kv_cache_memory": 4 * 2**20, "num_replicas": 2})
+                             "max_model_len": 256, "kv_cache_memory": 4 * 2**20, "num_replicas": 2,
+                             "chat_template": template})
     try:
         assert replica.engine.kv_events_endpoint.startswith("tcp://0.0.0.0:")  # kv_events routing: a port of its own
         assert replica.record_routing_stats()[KV_EVENTS_ENDPOINT_STAT].startswith("tcp://127.0.0.1:")
+        renderer = PromptRenderer(*replica.render_spec())
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        bodies = [("/v1/completions", {"prompt": "hello there"}), ("/v1/completions", {"prompt": [5, 6, 7]}),
+                  ("/v1/completions", {"prompt": ["first one", "second"]}),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                            "tool_choice": "none"}),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]},
+                                                         {"role": "assistant", "content": "b"}],
+                                            "add_generation_prompt": False, "continue_final_message": True})]
 
-        def request(path: str, body: bytes) -> ForwardedRequest:
-            return ForwardedRequest("POST", path, b"", ((b"content-type", b"application/json"),), body,
-                                    routing_key(path, body))
+        async def compare():
+            transport = httpx.ASGITransport(app=replica.asgi_app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+                for path, body in bodies:
+                    response = await client.post(path + "/render", json=body)
+                    assert response.status_code == 200, (body, response.text)
+                    rendered = response.json()
+                    first = rendered[0] if isinstance(rendered, list) else rendered
+                    assert await renderer.tokens(path, json.dumps(body).encode()) == tuple(first["token_ids"]), body
+                for path, raw in [("/v1/completions", b'{"prompt": 5}'), ("/v1/chat/completions", b"[1]"),
+                                  ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}')]:
+                    assert await renderer.tokens(path, raw) is None, raw  # the replica will answer these
 
-        tokens = asyncio.run(replica.render_tokens(request("/v1/completions", b'{"prompt": "hello there"}')))
-        assert list(tokens) == replica.engine.tokenizer.encode("hello there")
-        chat = b'{"messages": [{"role": "user", "content": "hi"}]}'
-        assert asyncio.run(replica.render_tokens(request("/v1/chat/completions", chat)))
-        assert asyncio.run(replica.render_tokens(request("/v1/completions", b'{"prompt": 5}'))) is None  # a 400
-        assert asyncio.run(replica.render_tokens(request("/tokenize", b'{"prompt": "x"}'))) is None
+        asyncio.run(compare())
     finally:
         replica.shutdown()
 

@@ -100,12 +100,9 @@ class ChatServing(OpenAIServing):
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         if tool_choice.mode == "auto":  # some formats' markers ([TOOL_CALLS], <|python_tag|>) are special tokens
             params = dataclasses.replace(params, skip_special_tokens=False)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        if req.reasoning_effort is not None:  # OpenAI's field, for templates that read it
-            template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         text, token_ids = await self.tokenizer_worker.run(self.render, req.messages, req.add_generation_prompt,
-                                                          req.continue_final_message, template_kwargs,
-                                                          _template_tools(req))
+                                                          req.continue_final_message, template_kwargs(req),
+                                                          template_tools(req))
         processed = await self.process_off_loop({"prompt": text, "prompt_token_ids": token_ids}, params, "messages",
                                                  source)
         return model, tool_choice, params, processed
@@ -133,27 +130,8 @@ class ChatServing(OpenAIServing):
                template_kwargs: dict | None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """The chat template applied to ``messages``: (text, token ids). Raises a 400 naming what is wrong.
         Uses the worker's tokenizer: call it on the worker (``self.tokenizer_worker.run``)."""
-        tokenizer = self.tokenizer_worker.tokenizer
-        if not (self.chat_template or getattr(tokenizer, "chat_template", None)):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        if add_generation_prompt and continue_final_message:
-            raise bad_request("continue_final_message needs add_generation_prompt set to false",
-                              param="continue_final_message")
-        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
-        if continue_final_message and conversation[-1]["role"] != "assistant":
-            raise bad_request("continue_final_message needs the last message to be the assistant's",
-                              param="continue_final_message")
-        kwargs = dict(template_kwargs or {})
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
-        try:
-            text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=self.chat_template,
-                                                 tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, **kwargs)
-        except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's business
-            raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from e
+        text = render_chat(self.tokenizer_worker.tokenizer, self.chat_template, messages, add_generation_prompt,
+                           continue_final_message, template_kwargs, tools)
         return text, self.tokenizer_worker.encode(text, "messages", add_special_tokens=False)
 
     # ---- whole response ----------------------------------------------------------------------
@@ -250,7 +228,41 @@ def _merged(first: dict, second: dict) -> dict:
     return out
 
 
-def _template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+def render_chat(tokenizer, chat_template: str | None, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool, template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
+    """The chat template (``chat_template``, else the tokenizer's) applied to ``messages``, as text. Raises a 400
+    naming what is wrong. The one way a chat becomes a prompt: the chat route, /tokenize, and the Ray ingress
+    that renders prompts for its router all call it."""
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message needs add_generation_prompt set to false",
+                          param="continue_final_message")
+    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's",
+                          param="continue_final_message")
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
+    try:
+        return tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's business
+        raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from e
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict:
+    """The request's ``chat_template_kwargs``, with OpenAI's ``reasoning_effort`` for templates that read it."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return kwargs
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """The tools as chat templates take them (OpenAI's shape), or None."""
     return [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
 
