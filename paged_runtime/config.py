@@ -38,6 +38,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 # Each prompt of a completions list is its own engine request: one request may fill a default batch
 # (max_num_seqs 256), not the waiting queue by thousands.
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+# Stored /v1/responses (store: true, previous_response_id): in memory, least recently used out beyond these.
+DEFAULT_RESPONSES_STORE_MAX_ENTRIES = 1024
+DEFAULT_RESPONSES_STORE_MAX_BYTES = 64 * 2**20
 
 
 def default_cache_dir() -> Path:
@@ -208,6 +211,12 @@ class ServerConfig:
                                           "16MiB)", ge=1, parse=parse_bytes, group="server")
     max_prompts_per_request: int = setting(DEFAULT_MAX_PROMPTS_PER_REQUEST, "most prompts in one /v1/completions "
                                            "'prompt' list (each is one engine request)", ge=1, group="server")
+    responses_store_max_entries: int = setting(
+        DEFAULT_RESPONSES_STORE_MAX_ENTRIES, "most /v1/responses kept for GET and previous_response_id (in memory, "
+        "least recently used out first; 0: none kept)", ge=0, group="server")
+    responses_store_max_bytes: int = setting(
+        DEFAULT_RESPONSES_STORE_MAX_BYTES, "most bytes of stored /v1/responses (their JSON, conversations included; "
+        "e.g. 64MiB)", ge=0, parse=parse_bytes, group="server")
     allowed_origins: list[str] | None = setting(
         None, "enable CORS for exactly these origins (e.g. https://app.example.com, or vLLM's JSON list "
         "'[\"https://a\"]'); None: no CORS", metavar="ORIGIN", action=ExtendOrigins, group="server")

@@ -244,7 +244,8 @@ def test_the_edge_flags_reach_the_openai_app():
         "allowed_origins": ["https://app.example.com"], "max_request_body_bytes": 2**20,
                                   "max_prompts_per_request": 3, "metrics_require_api_key": True,
                                   "chat_template": "{{ messages[0]['content'] }}",
-                                  "chat_options": ChatOptions(True, "hermes", "qwen3")}
+                                  "chat_options": ChatOptions(True, "hermes", "qwen3"),
+                                  "responses_store_max_entries": 1024, "responses_store_max_bytes": 64 * 2**20}
 
 
 # ---- KServe's own inference routes: off the loop, the configured limits, a body limit ------------------

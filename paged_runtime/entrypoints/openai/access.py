@@ -8,7 +8,8 @@ API keys (``ApiKeys``)
     tenant's request can hit (and time, or count in ``cached_tokens``) the
     blocks another tenant's prompt left in the cache
     (``share_prefix_cache_across_keys`` turns sharing back on). A request's
-    own ``cache_salt`` still separates within a tenant.
+    own ``cache_salt`` still separates within a tenant. Stored responses
+    (``/v1/responses``) belong to the key that created them, shared caches or not.
 
 Hosts (``HostGuard``)
     DNS rebinding lets a web page reach a server on 127.0.0.1 under a name
@@ -40,8 +41,10 @@ LOOPBACK_NAMES = ("localhost",)  # and any name ending in .localhost (RFC 6761 k
 
 @dataclass(frozen=True)
 class Tenant:
-    """One caller's share of the prefix cache: ``salt`` None shares it with every caller."""
+    """One caller's share of the prefix cache: ``salt`` None shares it with every caller. ``owner``: who the
+    caller is (its key's id; None without keys), whatever the cache sharing: what it stores (responses) is its own."""
     salt: str | None = None
+    owner: str | None = None
 
     def cache_salt(self, requested: str | None) -> str | None:
         """The salt a request runs with: the tenant's, then the request's own (a tenant cannot pick another's:
@@ -98,9 +101,8 @@ class ApiKeys:
                 matched = key
         if matched is None:
             raise unauthorized("Incorrect API key provided.")
-        if not self._separate:
-            return SHARED
-        return Tenant(hashlib.sha256(b"paged-runtime tenant\0" + matched).hexdigest()[:32])
+        owner = hashlib.sha256(b"paged-runtime tenant\0" + matched).hexdigest()[:32]
+        return Tenant(owner if self._separate else None, owner)
 
 
 def read_keys_file(path: str) -> list[str]:

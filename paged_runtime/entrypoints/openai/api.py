@@ -6,7 +6,8 @@ are parsed and validated inside the routes and every failure is turned into
 an OpenAI error body by the router's own route class, so the host app needs
 no exception handlers of ours.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, their two
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET, DELETE and
+POST .../cancel of /v1/responses/{id}: ``serving_responses.py``), their two
 ``/render`` twins (vLLM's: the exact prompt token ids and sampling
 parameters a generate request would submit, nothing generated), GET
 /v1/models, POST /tokenize, POST /detokenize, POST /reset_prefix_cache
@@ -43,17 +44,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from paged_runtime.config import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from paged_runtime.config import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                  DEFAULT_RESPONSES_STORE_MAX_BYTES, DEFAULT_RESPONSES_STORE_MAX_ENTRIES, ServerConfig)
 from paged_runtime.engine.client import EngineClient
 from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard, Tenant, trusted_hosts
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
                                                     parse_json, payload_too_large, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                       TokenizeRequest)
+                                                       ResponsesRequest, TokenizeRequest)
+from paged_runtime.entrypoints.openai.response_store import ResponseStore
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, StreamingResult
 from paged_runtime.entrypoints.openai.serving_chat import ChatOptions, ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
+from paged_runtime.entrypoints.openai.serving_responses import ResponsesServing
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -182,7 +186,9 @@ def app_options(server: ServerConfig, bind_host: str | None = None) -> dict[str,
             "max_prompts_per_request": server.max_prompts_per_request,
             "metrics_require_api_key": server.metrics_require_api_key, "chat_template": server.chat_template,
             "chat_options": ChatOptions(server.enable_auto_tool_choice, server.tool_call_parser,
-                                        server.reasoning_parser)}
+                                        server.reasoning_parser),
+            "responses_store_max_entries": server.responses_store_max_entries,
+            "responses_store_max_bytes": server.responses_store_max_bytes}
 
 
 def build_router(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
@@ -191,14 +197,17 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  metrics_require_api_key: bool = False, chat_template: str | None = None,
-                 chat_options: ChatOptions | None = None, enable_prompt_tokens_details: bool = False) -> APIRouter:
+                 chat_options: ChatOptions | None = None, enable_prompt_tokens_details: bool = False,
+                 responses_store_max_entries: int = DEFAULT_RESPONSES_STORE_MAX_ENTRIES,
+                 responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES) -> APIRouter:
     """All routes over ``engine``. ``chat_template``: Jinja text that replaces the tokenizer's chat template
     (chat completions and /tokenize; ``--chat-template``); ``chat_options``: the chat route's tool calling
     and reasoning settings. ``registry`` is what /metrics shows (default: the global REGISTRY);
     hosts with a /metrics of their own (KServe) pass ``include_metrics=False`` and share the registry.
     ``max_request_body_bytes`` (413 beyond) and ``max_prompts_per_request`` (a completions ``prompt``
     list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key;
-    ``enable_prompt_tokens_details``: usage reports ``cached_tokens``."""
+    ``enable_prompt_tokens_details``: usage reports ``cached_tokens``. ``responses_store_*``: the bounds of
+    the stored responses of /v1/responses (``response_store.py``; 0: nothing is stored)."""
     from paged_runtime import __version__
     served_model_names = list(served_model_names or engine.config.served_model_names)
     limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
@@ -206,6 +215,9 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
                                     prompt_tokens_details=enable_prompt_tokens_details)
     chat = ChatServing(engine, served_model_names, limits, chat_template, chat_options,
                        prompt_tokens_details=enable_prompt_tokens_details)
+    responses = ResponsesServing(engine, served_model_names, limits, chat_template, chat_options,
+                                 prompt_tokens_details=enable_prompt_tokens_details,
+                                 store=ResponseStore(responses_store_max_entries, responses_store_max_bytes))
     created = int(time.time())
     root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
@@ -236,6 +248,33 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
         body = await parse_as(request, ChatCompletionRequest, tenant)
         response = await _until_disconnect(request, respond(request, chat, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def respond_response(body: ResponsesRequest, tenant: Tenant) -> Response:
+        result = await responses.create(body, tenant.owner)
+        if isinstance(result, StreamingResult):
+            return SSEResponse(result)
+        return JSONResponse(result)
+
+    @router.post("/v1/responses")
+    async def create_response(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        body = await parse_as(request, ResponsesRequest, tenant)
+        response = await _until_disconnect(request, respond_response(body, tenant))
+        return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request, tenant: Tenant = Depends(authenticate)) -> dict:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise bad_request("streaming a stored response is not supported: GET it without stream",
+                              param="stream", code="unsupported_parameter")
+        return responses.retrieve(tenant.owner, response_id)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, tenant: Tenant = Depends(authenticate)) -> dict:
+        return responses.delete(tenant.owner, response_id)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, tenant: Tenant = Depends(authenticate)) -> dict:
+        return await responses.cancel(tenant.owner, response_id)
 
     @router.post("/v1/completions/render")
     async def render_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> list:
@@ -322,7 +361,9 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               metrics_require_api_key: bool = False, drain: Drain | None = None,
               chat_template: str | None = None, chat_options: ChatOptions | None = None,
-              enable_prompt_tokens_details: bool = False, allowed_hosts: Sequence[str] | None = None) -> FastAPI:
+              enable_prompt_tokens_details: bool = False, allowed_hosts: Sequence[str] | None = None,
+              responses_store_max_entries: int = DEFAULT_RESPONSES_STORE_MAX_ENTRIES,
+              responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
 
     ``allowed_origins``: CORS for exactly these origins (Starlette's CORSMiddleware); None or empty: no
@@ -339,7 +380,9 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = N
                                     max_prompts_per_request=max_prompts_per_request,
                                     metrics_require_api_key=metrics_require_api_key, chat_template=chat_template,
                                     chat_options=chat_options,
-                                    enable_prompt_tokens_details=enable_prompt_tokens_details))
+                                    enable_prompt_tokens_details=enable_prompt_tokens_details,
+                                    responses_store_max_entries=responses_store_max_entries,
+                                    responses_store_max_bytes=responses_store_max_bytes))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

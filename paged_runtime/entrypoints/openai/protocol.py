@@ -267,3 +267,97 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: TokenIds
+
+
+# ---- POST /v1/responses -------------------------------------------------------------------------------------
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on a response's metadata
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+class ResponseTextFormat(OpenAIModel):
+    """``text.format``: text, json_object, or json_schema (the schema's fields flat, unlike chat's)."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseTextConfig(OpenAIModel):
+    format: ResponseTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # echoed; the chat template decides length
+
+
+class ResponseReasoningConfig(OpenAIModel):
+    effort: str | None = None  # reaches the chat template as reasoning_effort, as chat's does
+    summary: str | None = None  # no summaries are written: reasoning items carry the reasoning text itself
+    generate_summary: str | None = None
+
+
+class ResponsesTool(OpenAIModel):
+    """One of ``tools``: the flat function shape ``{"type": "function", "name", "parameters", ...}``; any
+    other type (web_search, file_search, mcp, ...) parses here and is refused by the route, naming it."""
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+Metadata = dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]]
+
+
+class ResponsesRequest(SamplingFields):
+    """OpenAI's Responses request (vLLM's extras too: the sampling fields of ``SamplingFields``). Input items
+    stay plain dicts here: ``serving_responses`` reads them into chat messages, naming the item it refuses."""
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    background: bool | None = False
+    text: ResponseTextConfig | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ResponseReasoningConfig | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    metadata: Annotated[Metadata, Field(max_length=MAX_METADATA_PAIRS)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    # vLLM's extra
+    chat_template_kwargs: dict[str, Any] | None = None
+    REFUSED_EXTRAS = ChatCompletionRequest.REFUSED_EXTRAS
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) of the first field this runtime cannot honour, or None."""
+        checks = [
+            ("n", self.n != 1, "n is not a Responses field: a response has one output"),
+            ("background", bool(self.background and self.stream),
+             "background responses cannot be streamed here: create it, then poll GET /v1/responses/{id}"),
+            ("background", bool(self.background and self.store is False), "a background response must be stored: "
+                                                                          "set store to true"),
+            ("conversation", self.conversation is not None,
+             "conversations are not supported: chain responses with previous_response_id"),
+            ("prompt", self.prompt is not None, "prompt templates are not supported: send input and instructions"),
+            ("context_management", bool(self.context_management), "context_management is not supported"),
+            ("truncation", self.truncation == "auto",
+             "truncation 'auto' is not supported: a conversation longer than the context is refused"),
+            ("max_tool_calls", self.max_tool_calls is not None, "max_tool_calls is not supported: use "
+                                                                "parallel_tool_calls false for at most one call"),
+            ("top_logprobs", bool(self.top_logprobs), "top_logprobs are not supported on /v1/responses (chat "
+                                                      "completions have them)"),
+            ("include", "message.output_text.logprobs" in (self.include or ()),
+             "output_text logprobs are not supported on /v1/responses (chat completions have them)"),
+        ]
+        return next(((param, message) for param, ok, message in checks if ok), None)
