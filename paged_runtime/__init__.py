@@ -23,6 +23,8 @@ _EXPORTS = {
     "EngineConfig": "paged_runtime.config",
     "RequestOutput": "paged_runtime.outputs",
     "CompletionOutput": "paged_runtime.outputs",
+    "PoolingParams": "paged_runtime.pooling_params",
+    "EmbeddingRequestOutput": "paged_runtime.outputs",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
     from paged_runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from paged_runtime.engine.client import EngineClient
     from paged_runtime.entrypoints.llm import LLM
-    from paged_runtime.outputs import CompletionOutput, RequestOutput
+    from paged_runtime.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from paged_runtime.pooling_params import PoolingParams
     from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 
 

@@ -16,6 +16,7 @@ from paged_runtime.settings import (ExtendOrigins, check_settings, from_source, 
                                     parse_words, read_chat_template, setting)
 from paged_runtime.core.kv_events import KVEventsConfig
 from paged_runtime.spec_decode.config import SpeculativeConfig
+from paged_runtime.pooling_params import POOLING_TYPES, RUNNERS, parse_runner
 
 CACHE_ENV = "PAGED_RUNTIME_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/paged_runtime"
@@ -119,6 +120,15 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = setting(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    runner: str = setting(
+        "auto", "what the model is run as: generate (text generation; auto is generate) or pooling (an embedder: "
+        "POST /v1/embeddings, LLM.embed; prefill only, no sampling); vLLM's older task name embed reads as pooling "
+        "(LLM(task='embed') too)", choices=RUNNERS, parse=parse_runner)
+    pooling_type: str | None = setting(
+        None, "pooling of a --runner pooling model: LAST (the last prompt token's final hidden state) or MEAN (the "
+        "mean over the prompt's); None: the folder's sentence-transformers config (modules.json + "
+        "1_Pooling/config.json), else LAST", choices=POOLING_TYPES)
+    normalize: bool = setting(True, "--runner pooling: L2-normalise embeddings (vLLM's embed pooler)")
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "converted models and compiled kernels", env=(CACHE_ENV,))
     cpu_kernels: bool | None = setting(
         None, "the compiled CPU kernels: None picks them where the CPU has their vector paths (AVX-512, or AVX2 + "
@@ -139,6 +149,7 @@ class EngineConfig:
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
         self.cache_dir = str(Path(self.cache_dir).expanduser())
+        self.runner = parse_runner(self.runner) if isinstance(self.runner, str) else self.runner
         check_settings(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -147,6 +158,11 @@ class EngineConfig:
             # A verifying step's accepted count decides where the next one starts: nothing can be scheduled
             # behind it, and drafts need the previous token on the host (as vLLM, for its n-gram and draft models).
             raise ValueError("async_scheduling does not combine with speculative decoding: turn one of them off")
+
+    @property
+    def is_pooling(self) -> bool:
+        """The model runs as a pooler (embeddings), not a generator."""
+        return self.runner == "pooling"
 
     @property
     def world_size(self) -> int:

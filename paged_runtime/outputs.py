@@ -34,6 +34,32 @@ class CompletionOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """A pooling request's vector (``--runner pooling``): pooled, truncated to its ``dimensions`` and normalised
+    as its ``PoolingParams`` say, in float32."""
+    data: list[float]
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result for one prompt (``outputs.embedding``)."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -45,3 +71,5 @@ class RequestOutput:
     # Set (with finished) when the engine failed this request alone, e.g. a step it was part of raised
     # or it can never fit the KV cache; the message is safe to show the client. Other requests go on.
     error: str | None = None
+    # A pooling request's result (finished, ``outputs`` empty); None for a generation request.
+    pooling: PoolingOutput | None = None

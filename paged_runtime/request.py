@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import SamplingParams
 
 
@@ -66,13 +67,17 @@ class Request:
     # Never start from prefix-cache hits: every prompt position is computed (prompt logprobs need
     # each one's logits). The request's own blocks are still published to the cache.
     skip_prefix_cache: bool = False
+    # A pooling request (prefill only, never samples: finished once its prompt is computed). MEAN pooling
+    # needs every prompt row, so it never starts from prefix-cache hits (``pooling_params``' rule).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
         if not self.index:
             self.num_pending_forks = self.params.best_of - 1
-        self.skip_prefix_cache = self.skip_prefix_cache or self.params.prompt_logprobs is not None
+        self.skip_prefix_cache = (self.skip_prefix_cache or self.params.prompt_logprobs is not None
+                                  or (self.pooling is not None and self.pooling.pooling_type == "MEAN"))
 
     def fork(self, index: int, request_id: str | None = None) -> Request:
         """A sibling at the same point: same tokens and computed count (its blocks are forked

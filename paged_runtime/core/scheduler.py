@@ -35,6 +35,11 @@ token, then forks into best_of sequences that share every block (the partial
 tail too, copy-on-write). Each sequence computes the last token itself and
 samples from there, so the prompt's KV is computed once.
 
+Pooling requests (``Request.pooling``, ``--runner pooling``): prefill only. Their chunks never sample
+(``ScheduledRequest.samples`` is False); one whose whole prompt is scheduled is not scheduled again, and the
+output of the step that computed its last prompt token finishes it (FINISHED_STOPPED), its blocks published to
+the prefix cache first. MEAN pooling skips prefix-cache hits (see ``pooling_params``).
+
 LongRoPE (``rope_switch``, Phi-3.5 / Phi-4-mini): the model rotates a request by one set of tables while
 it is at most ``rope_switch`` tokens long and by another, throughout, once it is longer (as transformers'
 generate). A request that grows past it is recomputed from scratch (like a preemption, uncounted), and a
@@ -156,8 +161,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.paused:
-                index += 1
+            if request.paused or (request.pooling is not None and request.num_computed_tokens >= request.num_tokens):
+                index += 1  # a pooling request whose prompt is all scheduled waits for that step's output
                 continue
             pending = self._num_pending(request)
             if pending is None:  # its next tokens depend on the output of the step in flight
@@ -285,8 +290,9 @@ class Scheduler:
         known = [] if None in drafts else list(drafts)
         start = request.num_computed_tokens
         # A pending token (async scheduling) is past all_token_ids: the slice leaves it out, and it samples.
+        samples = start + num_new >= request.num_tokens and request.pooling is None
         return ScheduledRequest(request.request_id, start, num_new, request.all_token_ids[start:start + num_new],
-                                start + num_new >= request.num_tokens, len(drafts), known)
+                                samples, len(drafts), known)
 
     def _describe_for_runner(self, item: ScheduledRequest) -> None:
         """What the runner lacks: the request's whole data the first time, then its block-table changes."""
@@ -296,11 +302,11 @@ class Scheduler:
             self._known_to_runner.add(item.request_id)
             item.new_request = NewRequestData(request.request_id, list(request.all_token_ids),
                                               request.num_prompt_tokens, request.params, request.index,
-                                              request.eos_token_ids)
+                                              request.eos_token_ids, request.pooling)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int | None]:
         """Draft tokens to verify after a decoding request's last token (none when not speculating)."""
-        if self.speculator is None or num_new != 1 or request.num_uncomputed_tokens != 1:
+        if self.speculator is None or request.pooling is not None or num_new != 1 or request.num_uncomputed_tokens != 1:
             return []
         limit = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
         if self.max_model_len is not None:
@@ -381,6 +387,8 @@ class Scheduler:
                 request.num_computed_tokens = min(request.num_computed_tokens + max(0, len(tokens) - 1),
                                                   request.num_tokens)
                 self.kv_cache.cache_computed_blocks(request, self._num_finished_tokens(request))
+                if request.pooling is not None and item.start + item.num_new_tokens >= request.num_prompt_tokens:
+                    status = RequestStatus.FINISHED_STOPPED  # its prompt is computed: the runner pooled it
             if status is not None:
                 (self.running if running else self.waiting).remove(request)
                 self._release(request, status)

@@ -61,6 +61,7 @@ from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptTyp
 from paged_runtime.engine.watchdog import StepWatchdog
 from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
 from paged_runtime.outputs import CompletionOutput, RequestOutput
+from paged_runtime.pooling_params import PoolingParams, request_pooling
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class _Submitted:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    pooling: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -279,6 +281,8 @@ class AsyncEngine:
         self.config: EngineConfig = engine.config
         self.max_model_len = engine.max_model_len
         self.model_root = engine.model_root
+        self.hidden_size = engine.hidden_size
+        self._pooling_type = engine.pooling_type
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self._processor = Processor(self.tokenizer, engine.max_model_len, engine.vocab_size, engine.max_num_seqs,
                                     max_stop_strings=engine.config.max_stop_strings,
@@ -305,15 +309,24 @@ class AsyncEngine:
         """Tokenize and validate on the caller's side (its own tokenizer copy); raises ``ParameterError``."""
         return self._processor.process(prompt, params)
 
+    def pooling_params(self, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
+        """See ``EngineClient.pooling_params``."""
+        return request_pooling(self._pooling_type, self.hidden_size, self.config.normalize, dimensions, normalize)
+
     # ---- the caller's side (any event loop) -----------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                    priority: int = 0, cache_salt: str | None = None,
+                    pooling: PoolingParams | None = None) -> RequestStream:
         """Validate and queue a request; returns its stream. Call from a coroutine (it binds the running loop).
 
         Raises ValueError (bad prompt or parameters, id in use), EngineOverloadedError, EngineDeadError.
         """
         loop = asyncio.get_running_loop()
         self._check_alive()
+        if (pooling is not None) != self.config.is_pooling:
+            raise ValueError("this model runs as a pooling model (--runner pooling): it embeds, it does not generate"
+                             if self.config.is_pooling else
+                             "this model runs as a generative model: start it with --runner pooling to embed")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt, params)
         with self._cond:
             self._check_alive()
@@ -324,18 +337,18 @@ class AsyncEngine:
             stream = RequestStream(request_id, key, loop, self, params.output_kind)
             self._tracked[key] = _Tracked(stream, time.monotonic(), len(processed.token_ids))
             self._live[request_id] = key
-            self._inbox.append(_Submitted(key, processed, params, priority, cache_salt))
+            self._inbox.append(_Submitted(key, processed, params, priority, cache_salt, pooling))
             self._cond.notify()
         return stream
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                       pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has ``finished`` set.
 
         Leaving the loop early (or cancelling the task) aborts the request.
         """
-        stream = self.add_request(request_id or uuid.uuid4().hex, prompt, params, priority, cache_salt)
+        stream = self.add_request(request_id or uuid.uuid4().hex, prompt, params, priority, cache_salt, pooling)
         try:
             async for output in stream:
                 yield output
@@ -488,7 +501,7 @@ class AsyncEngine:
     def _add(self, inbox: list[_Submitted]) -> None:
         for s in inbox:
             try:
-                self.engine.add_request(s.key, s.prompt, s.params, s.priority, s.cache_salt)
+                self.engine.add_request(s.key, s.prompt, s.params, s.priority, s.cache_salt, s.pooling)
             except ValueError as e:  # e.g. an id still held by the engine: only this request fails
                 with self._cond:
                     tracked = self._untrack(s.key)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from paged_runtime.config import EngineConfig
     from paged_runtime.engine.processor import ProcessedPrompt, PromptType
     from paged_runtime.outputs import RequestOutput
+    from paged_runtime.pooling_params import PoolingParams
     from paged_runtime.sampling_params import SamplingParams
 
 
@@ -83,6 +84,7 @@ class EngineClient(Protocol):
     # ---- the model ---------------------------------------------------------------------------
     config: EngineConfig  # as built: model, served_model_name, scheduling_policy, ...
     max_model_len: int
+    hidden_size: int  # a pooling model's vector size
     tokenizer: object  # the caller's side's own copy (chat templates, /tokenize, /detokenize)
     # SamplingParams field -> default for requests that leave it unset (the model's generation_config.json,
     # see engine/generation_config.py); "max_tokens" also caps what a request asks for. Empty: none.
@@ -106,13 +108,22 @@ class EngineClient(Protocol):
         """Tokenize and validate ahead of ``add_request`` (raises ``ParameterError``); never waits on a step."""
         ...
 
+    def pooling_params(self, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
+        """A pooling request's parameters on this engine (``config.runner == "pooling"``): its pooling type,
+        ``dimensions`` (``ParameterError`` beyond ``hidden_size``), ``normalize`` (None: the engine's setting)."""
+        ...
+
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Queue a request and return its stream, or raise before anything is queued."""
+                    priority: int = 0, cache_salt: str | None = None,
+                    pooling: PoolingParams | None = None) -> RequestStream:
+        """Queue a request and return its stream, or raise before anything is queued. ``pooling``: a pooling
+        request (a pooling engine takes only these, a generating one none): one finished output whose
+        ``pooling`` holds its vector."""
         ...
 
     def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams, request_id: str | None = None,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, cache_salt: str | None = None,
+                 pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the iteration early aborts it."""
         ...
 

@@ -77,6 +77,7 @@ class StepUpdate:
     token_id: int | None
     logprobs: TokenLogprobs | None
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None
+    pooled: list[float] | None = None  # a pooling request's vector (token_id None), as it finishes
 
 
 @dataclass(slots=True)
@@ -281,9 +282,13 @@ class EngineCore:
         self.num_failed_steps_in_a_row = 0
         appended = self.scheduler.update_from_output(out, output.token_ids)
         updates = []
-        for (request, tokens), logprobs, prompt_logprobs in zip(appended, output.logprobs, output.prompt_logprobs):
+        pooled = output.pooled or [None] * len(appended)
+        for (request, tokens), logprobs, prompt_logprobs, vector in zip(appended, output.logprobs,
+                                                                        output.prompt_logprobs, pooled):
             if request is None:  # finished while the step ran
                 continue
+            if vector is not None and request.status == RequestStatus.FINISHED_STOPPED:  # else preempted: recomputed
+                updates.append(StepUpdate(request, None, None, None, vector))
             if prompt_logprobs is not None:
                 updates.append(StepUpdate(request, None, None, prompt_logprobs))
             updates += [StepUpdate(request, token_id, logprobs[i] if logprobs else None, None)

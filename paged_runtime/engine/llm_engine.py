@@ -17,9 +17,14 @@ step's ``delta_*``), DELTA (only what the step added, no copy of the sequence)
 or FINAL_ONLY (one output, at the end). A request the core fails (it can never
 fit the KV cache) ends with ``RequestOutput.error`` and finish_reason "error".
 
+Pooling (``EngineConfig.runner == "pooling"``): every request is a pooling request (``add_request``'s
+``pooling``, from ``pooling_params``): prefill only, one finished output whose ``pooling`` holds the vector and
+whose ``outputs`` is empty. A generation request to a pooling engine, or a pooling request to a generating
+one, is a ValueError.
+
 Declared API (what ``LLM`` and ``AsyncEngine`` use): ``config``, ``tokenizer``,
 ``max_model_len``, ``default_sampling``, ``model_root``, ``vocab_size``, ``max_num_seqs``,
-``process``, ``add_request``, ``abort_request``, ``step``,
+``process``, ``pooling_params``, ``add_request``, ``abort_request``, ``step``,
 ``has_unfinished_requests``, ``is_scheduled``, ``stats``, ``reconfigure``,
 ``reset_prefix_cache`` and ``beam_search``. ``core`` stays reachable for
 tests and benchmarks that inspect the scheduler; front ends never use it.
@@ -42,7 +47,8 @@ from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptTyp
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
 from paged_runtime.structured_output.backend import GrammarBackend
-from paged_runtime.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from paged_runtime.outputs import CompletionOutput, Logprob, PoolingOutput, PositionLogprobs, RequestOutput
+from paged_runtime.pooling_params import PoolingParams, folder_pooling_type, request_pooling
 from paged_runtime.request import Request, RequestStatus, child_request_id
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 from paged_runtime.worker.model_runner import TokenLogprobs
@@ -70,9 +76,13 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the core failed the group
+    pooling: PoolingParams | None = None  # a pooling request
+    pooled: list[float] | None = None  # its vector, once computed
 
     @property
     def finished(self) -> bool:
+        if self.pooling is not None:
+            return self.error is not None or self.pooled is not None
         return self.error is not None or (len(self.sequences) == self.params.best_of
                                           and all(s.completion.finish_reason for s in self.sequences.values()))
 
@@ -90,6 +100,9 @@ class LLMEngine:
         self.grammars = GrammarBackend(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.core.use_grammars(self.grammars)
         self.max_model_len = self.core.max_model_len
+        self.hidden_size = model_config.hidden_size
+        # --runner pooling: the configured pooling, else the folder's sentence-transformers config, else LAST
+        self.pooling_type = config.pooling_type or folder_pooling_type(self.model_path) or "LAST"
         self._processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
                                     config.max_num_seqs, max_stop_strings=config.max_stop_strings,
                                     max_stop_string_length=config.max_stop_string_length,
@@ -102,13 +115,25 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.decode_token = lru_cache(maxsize=65536)(lambda t: self.tokenizer.decode([t]))
 
+    def pooling_params(self, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
+        """A pooling request's parameters on this engine (its pooling type; ``normalize`` None: the engine's
+        setting); ``ParameterError`` naming ``dimensions`` beyond the hidden size."""
+        return request_pooling(self.pooling_type, self.hidden_size, self.config.normalize, dimensions, normalize)
+
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request. A prompt processed elsewhere (``ProcessedPrompt``) is re-checked cheaply against
         this engine (length, token ids, output budget, stop caps): ``ParameterError`` names the field,
-        ValueError for an id in use. Nothing a step cannot run gets in."""
+        ValueError for an id in use. Nothing a step cannot run gets in. ``pooling``: a pooling request (only on
+        a ``--runner pooling`` engine, where every request is one)."""
         if request_id in self._group_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if (pooling is not None) != self.config.is_pooling:
+            raise ValueError("this model runs as a pooling model (--runner pooling): it embeds, it does not generate"
+                             if self.config.is_pooling else
+                             "this model runs as a generative model: start it with --runner pooling to embed")
+        if pooling is not None and params.best_of != 1:
+            raise ValueError("a pooling request has one output: n and best_of must be 1")
         if isinstance(prompt, ProcessedPrompt):
             self._processor.check(prompt, params)
             processed = prompt
@@ -118,11 +143,12 @@ class LLMEngine:
         arrival = next(self._arrivals)
         group_id = f"{arrival}"  # the engine's own: callers' ids never reach the core
         request = Request(group_id, processed.token_ids, params, arrival, processed.max_tokens,
-                          self.eos_token_ids, processed.prompt, priority, cache_salt)
+                          self.eos_token_ids, processed.prompt, priority, cache_salt, pooling=pooling)
         self.core.add_request(request)
         self._group_ids[request_id] = group_id
         self.states[group_id] = RequestState(request_id, group_id, processed.prompt, processed.token_ids, params,
-                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                                             pooling=pooling)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by the callers' ids; ids not (or no longer) in the engine are ignored."""
@@ -298,6 +324,10 @@ class LLMEngine:
             return None
         if update.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, *update.prompt_logprobs)
+        if update.pooled is not None:
+            state.pooled = update.pooled
+            state.num_cached_tokens = max(0, request.num_cached_tokens)
+            return request.index
         if update.token_id is None:
             return None
         seq = state.sequences.get(request.index)
@@ -366,6 +396,8 @@ class LLMEngine:
         state = self.states[group_id]
         kind = state.params.output_kind
         finished = state.finished
+        if state.pooling is not None:
+            return self._pooling_output(state) if finished else None
         if finished:
             del self.states[group_id], self._group_ids[state.request_id]
             completions = self._final(state)
@@ -375,6 +407,13 @@ class LLMEngine:
             completions = [_take(state.sequences[i].completion, kind) for i in moved]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
                              state.prompt_logprobs, state.num_cached_tokens, state.error)
+
+    def _pooling_output(self, state: RequestState) -> RequestOutput:
+        """A finished pooling request's one output: no sequences, its vector in ``pooling``."""
+        del self.states[state.group_id], self._group_ids[state.request_id]
+        pooled = PoolingOutput(state.pooled) if state.pooled is not None else None
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], True, None,
+                             state.num_cached_tokens, state.error, pooled)
 
     @staticmethod
     def _final(state: RequestState) -> list[CompletionOutput]:

@@ -12,7 +12,8 @@ from paged_runtime.config import EngineConfig
 from paged_runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import PromptType
-from paged_runtime.outputs import RequestOutput
+from paged_runtime.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ class LLM:
     """``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``LLM(model=path, ...)`` any Llama-family model."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        if "task" in kwargs:  # vLLM's older spelling of runner (task="embed": runner="pooling")
+            kwargs.setdefault("runner", kwargs.pop("task"))
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
@@ -42,6 +45,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order."""
+        if self.engine.config.is_pooling:
+            raise ValueError("LLM.generate needs a generative model; this one runs with runner='pooling': use embed")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -50,6 +55,25 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         return self._run(list(zip(prompts, params, priority)), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding (``runner="pooling"``), in input order. The pooling type is the
+        engine's (``pooling_type``); ``pooling_params`` may set ``dimensions`` and ``normalize``."""
+        if not self.engine.config.is_pooling:
+            raise ValueError("LLM.embed needs a pooling model: build the LLM with runner='pooling'")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        asked = pooling_params or PoolingParams(normalize=self.engine.config.normalize)
+        pooling = self.engine.pooling_params(asked.dimensions, asked.normalize)
+        params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        outputs = self._run([(p, params, 0) for p in prompts], use_tqdm, pooling)
+        for out in outputs:
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooling.data), out.prompt_token_ids)
+                for out in outputs]
 
     def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search with transformers' semantics; beams are forks inside the engine."""
@@ -82,13 +106,14 @@ class LLM:
                                              add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, work: list[tuple[PromptType, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, work: list[tuple[PromptType, SamplingParams, int]], use_tqdm: bool,
+             pooling: PoolingParams | None = None) -> list[RequestOutput]:
         # Validate everything first so a bad prompt leaves nothing half-submitted.
         processed = [self.engine.process(p, sp) for p, sp, _ in work]
         request_ids = [f"llm-{next(self._ids)}" for _ in work]
         final_only = _final_only([params for _, params, _ in work])
         for request_id, prompt, (_, params, priority) in zip(request_ids, processed, work):
-            self.engine.add_request(request_id, prompt, final_only[id(params)], priority)
+            self.engine.add_request(request_id, prompt, final_only[id(params)], priority, pooling=pooling)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(work), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:

@@ -4,7 +4,8 @@ The runner never decides who runs. It keeps its own state of every request
 (``request_states``: token history, block table, sampling parameters, generator)
 up to date from what the scheduler sends, lays the step out as one batch
 (``paged_runtime.batch``) for the selected attention backend, runs the model,
-computes logits only where a token is sampled, and samples: one token per chunk
+computes logits only where a token is sampled (never for a pooling request's chunks: ``pooler`` pools
+their hidden rows instead), and samples: one token per chunk
 that reaches its request's end, or, for a speculating request, the drafts the
 rejection sampler accepts plus one (a draft model, when configured, proposes them
 first in the same step). Inputs are built with numpy over whole arrays, not per token.
@@ -32,6 +33,7 @@ from paged_runtime.sample.sampler import Sampler, SamplerOutput, apply_token_bit
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.spec_decode.rejection_sampler import RejectionSampler, SpecRow
 from paged_runtime.worker.grammar_masks import GrammarMaskFiller, GrammarMasks
+from paged_runtime.worker.pooler import pool_items
 from paged_runtime.utils.cpu import huge_page_zeros, keep_freed_memory_mapped
 from paged_runtime.worker.cpu_decode_plan import CpuDecodePlan
 from paged_runtime.worker.cuda_graphs import DecodeGraphs
@@ -79,6 +81,8 @@ class RunnerOutput:
     logprobs: list[list[TokenLogprobs] | None]  # one entry per token, when the request asks
     # (first prompt position scored, entries): entry i scores prompt token first + i + 1.
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]
+    # A pooling request's vector, in the step that computes its last prompt token (``worker/pooler.py``).
+    pooled: list[list[float] | None] | None = None
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
@@ -150,6 +154,7 @@ class ModelRunner:
         filling = self.grammar_masks.start(requests, [(self.states[items[k].request_id], row.drafts)
                                                       for k, row in spec_rows.items()])
         hidden, ends = self._run(items)  # the masks fill meanwhile
+        pooled = pool_items(items, self.states, hidden, ends) if self.states.has_pooling else None
         scored = self._scored_rows(items, ends)
         sample_logits, verify_logits, prompt_logits = self._logits(hidden, scored)
         masks = filling.result() if filling is not None else None
@@ -168,8 +173,11 @@ class ModelRunner:
             if k in prompt_logits:
                 result.prompt_logprobs[k] = self._prompt_logprobs(s, state, prompt_logits[k])
         back = np.argsort(order)  # from the runner's order back to the scheduler's
-        return RunnerOutput(*([field[k] for k in back]
-                              for field in (result.token_ids, result.logprobs, result.prompt_logprobs)))
+        output = RunnerOutput(*([field[k] for k in back]
+                                for field in (result.token_ids, result.logprobs, result.prompt_logprobs)))
+        if pooled:
+            output.pooled = [pooled.get(k) for k in back]
+        return output
 
     def _scored_rows(self, items: list[StepItem], ends: np.ndarray) -> ScoredRows:
         """The hidden rows this step turns into logits: the last row of each sampling item, each

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from paged_runtime.core.scheduler_output import NewRequestData
+from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import SamplingParams, sequence_seed
 from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.structured_output.grammar import RequestGrammar
@@ -58,6 +59,8 @@ class CachedRequest:
     output_counts: OutputCounts | None  # only when the request has penalties
     grammar: RequestGrammar | None = None  # only when the request's output is constrained
     blocked: torch.Tensor | None = None  # [V] bool on the device, True off allowed_token_ids; None: no such list
+    pooling: PoolingParams | None = None  # a pooling request: pooled, never sampled
+    pool_sum: torch.Tensor | None = None  # MEAN pooling: float32 sum of the prompt rows computed so far
 
     @property
     def num_output_tokens(self) -> int:
@@ -89,6 +92,7 @@ class RequestStates:
                  grammars: GrammarBackend | None = None, samples: bool = True) -> None:
         """``samples``: False on a rank that never samples, which skips the requests' output constraints."""
         self.requests: dict[str, CachedRequest] = {}
+        self.num_pooling = 0  # requests that pool (``has_pooling``)
         self.samples = samples
         self.grammars = grammars
         self.device, self.vocab_size = device, vocab_size
@@ -99,6 +103,11 @@ class RequestStates:
         self.top_k = np.zeros(0, np.int64)  # vocab size = off
         self.top_p = np.zeros(0, np.float32)
         self.min_p = np.zeros(0, np.float32)
+
+    @property
+    def has_pooling(self) -> bool:
+        """Some request here pools (checked per step: a generate-only batch does no pooling work)."""
+        return self.num_pooling > 0
 
     def __getitem__(self, request_id: str) -> CachedRequest:
         return self.requests[request_id]
@@ -111,7 +120,8 @@ class RequestStates:
             generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
         counts = OutputCounts() if p.has_penalties else None
         state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
-                              grammar=self._grammar(p), blocked=self._blocked(p.allowed_token_ids))
+                              grammar=self._grammar(p), blocked=self._blocked(p.allowed_token_ids),
+                              pooling=new.pooling)
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)
@@ -123,6 +133,7 @@ class RequestStates:
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = values
         self.num_blocks[row] = 0
         self.requests[new.request_id] = state
+        self.num_pooling += new.pooling is not None
         return state
 
     def _grammar(self, p: SamplingParams) -> RequestGrammar | None:
@@ -147,6 +158,7 @@ class RequestStates:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.free_rows.append(state.row)
+            self.num_pooling -= state.pooling is not None
 
     def retain(self, request_ids) -> list[str]:
         """Drop every request not in ``request_ids`` (after a failed step); the ids dropped."""

@@ -6,7 +6,9 @@ are parsed and validated inside the routes and every failure is turned into
 an OpenAI error body by the router's own route class, so the host app needs
 no exception handlers of ours.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET, DELETE and
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (a ``--runner pooling`` model
+only; a pooling model answers the generation routes with a 400 naming the route, and a generative model
+/v1/embeddings), POST /v1/responses (with GET, DELETE and
 POST .../cancel of /v1/responses/{id}: ``serving_responses.py``), their two
 ``/render`` twins (vLLM's: the exact prompt token ids and sampling
 parameters a generate request would submit, nothing generated), GET
@@ -52,11 +54,12 @@ from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
                                                     parse_json, payload_too_large, unsupported_media_type)
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                       ResponsesRequest, TokenizeRequest)
+                                                       EmbeddingRequest, ResponsesRequest, TokenizeRequest)
 from paged_runtime.entrypoints.openai.response_store import ResponseStore
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, StreamingResult
 from paged_runtime.entrypoints.openai.serving_chat import ChatOptions, ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
+from paged_runtime.entrypoints.openai.serving_embedding import EmbeddingServing
 from paged_runtime.entrypoints.openai.serving_responses import ResponsesServing
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -218,6 +221,7 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     responses = ResponsesServing(engine, served_model_names, limits, chat_template, chat_options,
                                  prompt_tokens_details=enable_prompt_tokens_details,
                                  store=ResponseStore(responses_store_max_entries, responses_store_max_bytes))
+    embeddings = EmbeddingServing(engine, served_model_names, limits)
     created = int(time.time())
     root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
@@ -225,6 +229,12 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     authenticate = authenticator(keys)
     auth = [Depends(authenticate)]
     max_body = limits.max_body_bytes
+
+    def generating(route: str) -> None:
+        """A 400 naming ``route`` when the model runs as a pooler (it has no generation to offer)."""
+        if engine.config.is_pooling:
+            raise bad_request(f"{route} needs a generative model; this server runs its model as a pooling model "
+                              "(--runner pooling): use /v1/embeddings", code="unsupported_model")
 
     async def parse_as(request: Request, model: type[ModelT], tenant: Tenant) -> ModelT:
         body = await _parse(request, model, max_body)
@@ -239,12 +249,14 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
 
     @router.post("/v1/completions")
     async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        generating("/v1/completions")
         body = await parse_as(request, CompletionRequest, tenant)
         response = await _until_disconnect(request, respond(request, completions, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        generating("/v1/chat/completions")
         body = await parse_as(request, ChatCompletionRequest, tenant)
         response = await _until_disconnect(request, respond(request, chat, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -257,6 +269,7 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
 
     @router.post("/v1/responses")
     async def create_response(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        generating("/v1/responses")
         body = await parse_as(request, ResponsesRequest, tenant)
         response = await _until_disconnect(request, respond_response(body, tenant))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -275,6 +288,12 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, tenant: Tenant = Depends(authenticate)) -> dict:
         return await responses.cancel(tenant.owner, response_id)
+
+    @router.post("/v1/embeddings")
+    async def create_embedding(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        body = await parse_as(request, EmbeddingRequest, tenant)
+        response = await _until_disconnect(request, embeddings.create(body))
+        return JSONResponse(response) if response is not None else Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @router.post("/v1/completions/render")
     async def render_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> list:

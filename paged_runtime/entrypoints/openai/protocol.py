@@ -361,3 +361,15 @@ class ResponsesRequest(SamplingFields):
              "output_text logprobs are not supported on /v1/responses (chat completions have them)"),
         ]
         return next(((param, message) for param, ok, message in checks if ok), None)
+
+
+class EmbeddingRequest(OpenAIModel):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's ``normalize``, ``priority`` and ``cache_salt`` extras."""
+    input: str | list[str] | TokenIds | list[TokenIds]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = None
