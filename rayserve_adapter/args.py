@@ -102,13 +102,15 @@ class ServeFields(BaseModel):
     def kv_event_routing(self) -> bool:
         return self.multi_replica and self.request_router == "kv_events"
 
-    def engine_config(self, kv_events_topic: str | None = None) -> EngineConfig:
+    def engine_config(self, kv_events_topic: str | None = None, kv_events_host: str = "127.0.0.1") -> EngineConfig:
         """The ``EngineConfig`` for one replica's engine; with KV-event routing (and no ``kv_events_config`` of
-        the user's), its events go out on a port of its own under ``kv_events_topic``."""
+        the user's), its events go out under ``kv_events_topic`` on a port of its own at ``kv_events_host``
+        (the node's address: where Ray's own services listen, not every interface)."""
         overrides: dict[str, Any] = {}
         if self.kv_event_routing and self.kv_events_config is None:
             overrides["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                             "endpoint": "tcp://*:*", "topic": kv_events_topic or "kv@"}
+                                             "endpoint": f"tcp://{kv_events_host}:*",
+                                             "topic": kv_events_topic or "kv@"}
         if self.world_size > 1:
             # The ranks are Ray actors in the replica's placement group. The replica holds no GPU itself, so
             # "auto" would mean the CPU there (dtype, scheduling): the ranks' GPUs decide.

@@ -93,7 +93,7 @@ class EngineReplica:
         self.drain = Drain()  # gates the OpenAI app: 503 for new requests once graceful_shutdown() began
         self.registry = CollectorRegistry()  # this replica's /metrics shows this replica's engine only
         self.replica_id = _replica_id()
-        self.engine: EngineClient = make_engine(self.args.engine_config(topic_of(self.replica_id)),
+        self.engine: EngineClient = make_engine(self.args.engine_config(topic_of(self.replica_id), _node_ip()),
                                                 self.args.server_config(), self.registry)
 
     @cached_property
@@ -143,7 +143,7 @@ class EngineReplica:
         aborted = self.registry.get_sample_value(
             "vllm:request_success_total", {"model_name": self.args.served_model_names[0], "finished_reason": "abort"})
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                KV_EVENTS_ENDPOINT_STAT: _reachable(self.engine.kv_events_endpoint),
+                KV_EVENTS_ENDPOINT_STAT: self.engine.kv_events_endpoint,
                 KV_BLOCK_SIZE_STAT: self.engine.config.block_size,
                 "kv_cache_usage": stats.kv_cache_usage, "num_prefix_queries": stats.num_prefix_queries,
                 "num_prefix_hits": stats.num_prefix_hits, "num_preemptions": stats.num_preemptions,
@@ -176,12 +176,10 @@ def _replica_id() -> str:
         return "local"
 
 
-def _reachable(endpoint: str | None) -> str | None:
-    """A bound wildcard address as other nodes reach it: this node's IP in place of 0.0.0.0."""
-    if endpoint is None or "0.0.0.0" not in endpoint:
-        return endpoint
+def _node_ip() -> str:
+    """This node's address in the Ray cluster (where Ray's own services listen); 127.0.0.1 outside Ray."""
     import ray
-    return endpoint.replace("0.0.0.0", ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 class ServeEngineReplica(EngineReplica):
