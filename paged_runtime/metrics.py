@@ -107,6 +107,7 @@ class _Families:
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
     spec_accepted_per_pos: Counter
+    kv_events_dropped: Counter  # the KV-event publisher's (engine/kv_event_publisher.py)
 
 
 # The one piece of module state: metric families per registry (weak, so a test's registry can go away).
@@ -114,12 +115,14 @@ _FAMILIES: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.Wea
 _FAMILIES_LOCK = threading.Lock()
 
 
-def _families(registry: CollectorRegistry) -> _Families:
+def families(registry: CollectorRegistry | None = None) -> _Families:
+    """The metric families of ``registry`` (default: the process's REGISTRY), created on first use."""
+    registry = registry if registry is not None else REGISTRY
     with _FAMILIES_LOCK:
-        families = _FAMILIES.get(registry)
-        if families is None:
-            families = _FAMILIES[registry] = _create_families(registry)
-        return families
+        found = _FAMILIES.get(registry)
+        if found is None:
+            found = _FAMILIES[registry] = _create_families(registry)
+        return found
 
 
 def _create_families(registry: CollectorRegistry) -> _Families:
@@ -168,6 +171,8 @@ def _create_families(registry: CollectorRegistry) -> _Families:
         spec_accepted_per_pos=Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labelnames=label + ["position"],
                                       registry=registry),
+        kv_events_dropped=Counter("vllm:kv_events_dropped_batches",
+                                  "KV-cache event batches dropped: the publisher's queue was full.", **kw),
     )
 
 
@@ -178,7 +183,7 @@ class PrometheusStatLogger:
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
-        self.families = _families(registry if registry is not None else REGISTRY)
+        self.families = families(registry)
         f, name = self.families, model_name
         # Bind label sets up front so every series shows (at 0) before the first request.
         self.running, self.waiting, self.kv_usage = (g.labels(name) for g in (f.running, f.waiting, f.kv_usage))

@@ -46,6 +46,15 @@ class PoolingParams:
             raise ValueError(f"dimensions must be positive, got {self.dimensions}")
 
 
+def check_runner(is_pooling: bool, pooling: PoolingParams | None) -> None:
+    """ValueError unless a request is what its engine runs: a pooling engine takes only pooling requests
+    (``pooling`` set), a generating one none."""
+    if (pooling is not None) != is_pooling:
+        raise ValueError("this model runs as a pooling model (--runner pooling): it embeds, it does not generate"
+                         if is_pooling else "this model runs as a generative model: start it with --runner pooling "
+                         "to embed")
+
+
 def folder_pooling_type(folder: str | Path) -> str | None:
     """The pooling a sentence-transformers folder declares (``modules.json`` naming a Pooling module, whose
     ``config.json`` sets ``pooling_mode_lasttoken`` or ``pooling_mode_mean_tokens``); None when it declares none

@@ -61,7 +61,7 @@ from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptTyp
 from paged_runtime.engine.watchdog import StepWatchdog
 from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
 from paged_runtime.outputs import CompletionOutput, RequestOutput
-from paged_runtime.pooling_params import PoolingParams, request_pooling
+from paged_runtime.pooling_params import PoolingParams, check_runner, request_pooling
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -323,10 +323,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         self._check_alive()
-        if (pooling is not None) != self.config.is_pooling:
-            raise ValueError("this model runs as a pooling model (--runner pooling): it embeds, it does not generate"
-                             if self.config.is_pooling else
-                             "this model runs as a generative model: start it with --runner pooling to embed")
+        check_runner(self.config.is_pooling, pooling)
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt, params)
         with self._cond:
             self._check_alive()

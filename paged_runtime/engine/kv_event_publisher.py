@@ -35,15 +35,15 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from paged_runtime.core.block_hash import external_hash_form
 from paged_runtime.core.kv_events import KVEvent, KVEventsConfig, encode_batch
+from paged_runtime.metrics import families
 
 logger = logging.getLogger(__name__)
 
@@ -77,23 +77,7 @@ def make_publisher(config: KVEventsConfig | None, event_format: str, model_name:
     """The publisher ``config`` asks for; the ZMQ one counts drops in ``registry`` (default: the process's)."""
     if config is None or not config.active:
         return NullEventPublisher()
-    dropped = _dropped_counter(registry if registry is not None else REGISTRY).labels(model_name)
-    return ZmqEventPublisher(config, event_format, dropped.inc)
-
-
-# ---- the dropped-batches counter: one family per registry (as metrics.py's), shared by its engines ------------
-_DROPPED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-_DROPPED_LOCK = threading.Lock()
-
-
-def _dropped_counter(registry: CollectorRegistry) -> Counter:
-    with _DROPPED_LOCK:
-        counter = _DROPPED.get(registry)
-        if counter is None:
-            counter = _DROPPED[registry] = Counter(
-                "vllm:kv_events_dropped_batches", "KV-cache event batches dropped: the publisher's queue was full.",
-                labelnames=["model_name"], registry=registry)
-        return counter
+    return ZmqEventPublisher(config, event_format, families(registry).kv_events_dropped.labels(model_name).inc)
 
 
 class ZmqEventPublisher:

@@ -48,7 +48,7 @@ from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
 from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.outputs import CompletionOutput, Logprob, PoolingOutput, PositionLogprobs, RequestOutput
-from paged_runtime.pooling_params import PoolingParams, folder_pooling_type, request_pooling
+from paged_runtime.pooling_params import PoolingParams, check_runner, folder_pooling_type, request_pooling
 from paged_runtime.request import Request, RequestStatus, child_request_id
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 from paged_runtime.worker.model_runner import TokenLogprobs
@@ -128,10 +128,7 @@ class LLMEngine:
         a ``--runner pooling`` engine, where every request is one)."""
         if request_id in self._group_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if (pooling is not None) != self.config.is_pooling:
-            raise ValueError("this model runs as a pooling model (--runner pooling): it embeds, it does not generate"
-                             if self.config.is_pooling else
-                             "this model runs as a generative model: start it with --runner pooling to embed")
+        check_runner(self.config.is_pooling, pooling)
         if pooling is not None and params.best_of != 1:
             raise ValueError("a pooling request has one output: n and best_of must be 1")
         if isinstance(prompt, ProcessedPrompt):

@@ -47,9 +47,7 @@ class LLM:
         """Runs every prompt to completion; outputs come back in input order."""
         if self.engine.config.is_pooling:
             raise ValueError("LLM.generate needs a generative model; this one runs with runner='pooling': use embed")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), self.get_default_sampling_params)
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
@@ -62,9 +60,7 @@ class LLM:
         engine's (``pooling_type``); ``pooling_params`` may set ``dimensions`` and ``normalize``."""
         if not self.engine.config.is_pooling:
             raise ValueError("LLM.embed needs a pooling model: build the LLM with runner='pooling'")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         asked = pooling_params or PoolingParams(normalize=self.engine.config.normalize)
         pooling = self.engine.pooling_params(asked.dimensions, asked.normalize)
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -135,6 +131,13 @@ def _final_only(params: list[SamplingParams]) -> dict[int, SamplingParams]:
     """A FINAL_ONLY copy of each distinct params object (by id): only finished outputs are wanted, so the
     engine builds nothing per step. The caller's objects are left as they are."""
     return {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, a dict, a token-id list) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int,

@@ -307,7 +307,7 @@ class PredictEngine(FakeEngine):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return ProcessedPrompt(None, token_ids, params.max_tokens)
 
-    def add_request(self, request_id, prompt, params, priority=0, cache_salt=None):
+    def add_request(self, request_id, prompt, params, priority=0, cache_salt=None, pooling=None):
         self.submitted.append(request_id)
         self.salts.append(cache_salt)
         return OneTokenStream(request_id, prompt.token_ids)

@@ -241,8 +241,9 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
         body.cache_salt = tenant.cache_salt(body.cache_salt)
         return body
 
-    async def respond(request: Request, serving: CompletionServing | ChatServing, body: BaseModel) -> Response:
-        result = await serving.create(body)  # type: ignore[arg-type]
+    async def respond(create: Callable[..., Awaitable[dict | StreamingResult]], *args: Any) -> Response:
+        """A generate route's answer, ``create(*args)``: its SSE stream, or its whole body."""
+        result = await create(*args)
         if isinstance(result, StreamingResult):
             return SSEResponse(result)
         return JSONResponse(result)
@@ -251,27 +252,21 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
     async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
         generating("/v1/completions")
         body = await parse_as(request, CompletionRequest, tenant)
-        response = await _until_disconnect(request, respond(request, completions, body))
+        response = await _until_disconnect(request, respond(completions.create, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
         generating("/v1/chat/completions")
         body = await parse_as(request, ChatCompletionRequest, tenant)
-        response = await _until_disconnect(request, respond(request, chat, body))
+        response = await _until_disconnect(request, respond(chat.create, body))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
-
-    async def respond_response(body: ResponsesRequest, tenant: Tenant) -> Response:
-        result = await responses.create(body, tenant.owner)
-        if isinstance(result, StreamingResult):
-            return SSEResponse(result)
-        return JSONResponse(result)
 
     @router.post("/v1/responses")
     async def create_response(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
         generating("/v1/responses")
         body = await parse_as(request, ResponsesRequest, tenant)
-        response = await _until_disconnect(request, respond_response(body, tenant))
+        response = await _until_disconnect(request, respond(responses.create, body, tenant.owner))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @router.get("/v1/responses/{response_id}")

@@ -32,6 +32,7 @@ from paged_runtime.config import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_RE
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
 from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -inf
@@ -189,14 +190,27 @@ class OpenAIServing:
         return processed
 
     # ---- running -------------------------------------------------------------------------
+    def prompt_list(self, value: str | list, param: str) -> list[str | list[int]]:
+        """A completions ``prompt`` or embeddings ``input`` as its prompts (a token-id list is one prompt); a 400
+        naming ``param`` when it is empty or holds more than ``max_prompts_per_request``."""
+        if isinstance(value, list) and not value:
+            raise bad_request(f"{param} must not be empty", param=param)
+        prompts = [value] if isinstance(value, str) or isinstance(value[0], int) else list(value)
+        if len(prompts) > self.limits.max_prompts_per_request:
+            raise bad_request(f"{param} holds {len(prompts)} prompts; this server takes at most "
+                              f"{self.limits.max_prompts_per_request} per request", param=param)
+        return prompts
+
     def submit(self, base_id: str, prompts: list[ProcessedPrompt], params: SamplingParams,
-               req: SamplingFields) -> list[RequestStream]:
-        """Queue every prompt, or none: if one is refused (engine full), the others are aborted."""
+               req: SamplingFields, pooling: PoolingParams | None = None) -> list[RequestStream]:
+        """Queue every prompt (with ``req``'s priority and cache salt), or none: if one is refused (engine full),
+        the others are aborted. ``pooling``: they are pooling requests (embeddings)."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(self.engine.add_request(request_id, prompt, params, req.priority, req.cache_salt))
+                streams.append(self.engine.add_request(request_id, prompt, params, req.priority, req.cache_salt,
+                                                       pooling=pooling))
         except BaseException:
             for stream in streams:
                 stream.abort()

@@ -97,10 +97,7 @@ class CompletionServing(OpenAIServing):
         # best_of > n cannot stream (refused above) and has no deltas: its whole response comes at the end.
         kind = RequestOutputKind.DELTA if params.best_of == params.n else RequestOutputKind.FINAL_ONLY
         params = dataclasses.replace(params, output_kind=kind)
-        prompts = _prompts(req.prompt)
-        if len(prompts) > self.limits.max_prompts_per_request:
-            raise bad_request(f"prompt holds {len(prompts)} prompts; this server takes at most "
-                              f"{self.limits.max_prompts_per_request} per request", param="prompt")
+        prompts = self.prompt_list(req.prompt, "prompt")
         return model, params, [await self.process_off_loop(p, params, "prompt", source) for p in prompts]
 
     # ---- whole response ------------------------------------------------------------------
@@ -199,16 +196,6 @@ class _StreamState:
     finished: set[int] = field(default_factory=set)
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # keeps each choice's running text offset
     num_completion_tokens: int = 0  # outputs are deltas: the usage chunk's count is their sum
-
-
-def _prompts(prompt: str | list) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
 
 
 def _scored(out: RequestOutput) -> RequestOutput:

@@ -32,34 +32,10 @@ class EmbeddingServing(OpenAIServing):
             pooling = self.engine.pooling_params(req.dimensions, req.normalize)
         except ParameterError as e:
             raise from_parameter_error(e) from e
-        prompts = _inputs(req.input)
-        if len(prompts) > self.limits.max_prompts_per_request:
-            raise bad_request(f"input holds {len(prompts)} inputs; this server takes at most "
-                              f"{self.limits.max_prompts_per_request} per request", param="input")
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
-        processed = [await self.process_off_loop(p, params, "input") for p in prompts]
-        request_id = new_id("embd")
-        streams = []
-        try:
-            for i, prompt in enumerate(processed):
-                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, params, req.priority,
-                                                       req.cache_salt, pooling))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        outputs = await collect(streams)
+        processed = [await self.process_off_loop(p, params, "input") for p in self.prompt_list(req.input, "input")]
+        outputs = await collect(self.submit(new_id("embd"), processed, params, req, pooling))
         return _response(req, model, processed, outputs)
-
-
-def _inputs(value: str | list) -> list[str | list[int]]:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise bad_request("input must not be empty", param="input")
-    if isinstance(value[0], int):
-        return [value]
-    return list(value)
 
 
 def _response(req: EmbeddingRequest, model: str, processed: list[ProcessedPrompt],
