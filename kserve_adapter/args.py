@@ -12,7 +12,9 @@ silently set some other flag.
 Which model is served: ``--model PATH`` if given; else ``--model_dir`` (KServe
 passes ``/mnt/models``, where its storage initializer puts ``storageUri``) if
 it holds a model; else the embedded default. A ``--model_dir`` with no model
-in it means the InferenceService gave no ``storageUri``.
+in it means the InferenceService gave no ``storageUri``. Several models
+(``--model A --model B``, ``--models-dir DIR``) are each a KServe model named
+by folder or file stem (``--model_name`` then names none of them).
 
 huggingfaceserver's arguments are accepted too, so an InferenceService
 written for it runs here unchanged: ``--model_id`` (a local folder: weights
@@ -93,8 +95,8 @@ def warn_unused(args: argparse.Namespace) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parsed flags with ``model`` resolved (a path or None) and ``served_model_name`` defaulting to the
-    KServe model name. Exits with status 2 and a message for a flag the adapter cannot honour."""
+    """Parsed flags with ``model`` resolved (a path or None; the list of paths for several models) and, for one
+    model, ``served_model_name`` defaulting to the KServe model name. Exits with status 2 and a message for a flag the adapter cannot honour."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.workers != 1:
@@ -102,16 +104,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "model and KV cache; scale with replicas (minReplicas/maxReplicas) instead")
     if args.task is not None and args.task not in GENERATION_TASKS:
         parser.error(f"--task {args.task!r} is not served: this runtime does text generation only")
-    model = getattr(args, "model", None)
-    if model is None and args.model_id is not None:
+    paths = list(getattr(args, "model", None) or [])
+    if not paths and args.model_id is not None:
         if not Path(args.model_id).expanduser().exists():
             parser.error(f"--model_id {args.model_id!r} is not a local folder: weights are never downloaded "
                          "(give the InferenceService a storageUri, mounted at --model_dir)")
-        model = args.model_id
-    if model is not None and not Path(model).expanduser().exists():
-        parser.error(f"--model {model!r} does not exist (weights are never downloaded)")
+        paths = [args.model_id]
+    for path in paths:
+        if not Path(path).expanduser().exists():
+            parser.error(f"--model {path!r} does not exist (weights are never downloaded)")
     warn_unused(args)
-    args.model = resolve_model(model, args.model_dir)
+    if len(paths) > 1 or getattr(args, "models_dir", None) is not None:
+        args.model = paths  # several models: each is a KServe model under its own name (server.build_models)
+        return args
+    args.model = resolve_model(paths[0] if paths else None, args.model_dir)
     args.served_model_name = getattr(args, "served_model_name", None) or [args.model_name]
     return args
 

@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -50,6 +51,9 @@ logger = logging.getLogger("kserve_adapter")
 # Test-only hook: when set, start_engine() waits until this file exists before building the engine, so a
 # test can observe the loading window (503 -> 200) deterministically. Never set it in a deployment.
 LOAD_GATE_ENV = "KSERVE_ADAPTER_LOAD_GATE"
+# Several models in one process build their engines one at a time: concurrent builds race in transformers'
+# lazy imports ("cannot import name 'AutoTokenizer'") and would only share the same cores.
+_BUILD_LOCK = threading.Lock()
 
 
 class PagedRuntimeModel(Model):
@@ -79,13 +83,17 @@ class PagedRuntimeModel(Model):
         if self._stopping:
             return
         logger.info("building the engine for %s", self.name)
-        engine = await asyncio.to_thread(self.engine_factory)
+        engine = await asyncio.to_thread(self._build_engine)
         if self._stopping:  # stopped while building: nobody will serve with it
             engine.shutdown()
             return
         self.serving = OpenAIServing(engine, self.served_model_names, self.limits)
         self.async_engine = engine
         logger.info("model %s is ready (max_model_len %d)", self.name, engine.max_model_len)
+
+    def _build_engine(self) -> EngineClient:
+        with _BUILD_LOCK:
+            return self.engine_factory()
 
     async def healthy(self) -> bool:
         return self.async_engine is not None and self.async_engine.is_healthy

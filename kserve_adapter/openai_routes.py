@@ -26,19 +26,21 @@ from starlette.types import Receive, Scope, Send
 from kserve_adapter.model import PagedRuntimeModel
 from paged_runtime.entrypoints.openai import OpenAIError, build_app
 from paged_runtime.entrypoints.openai.access import ApiKeys
+from paged_runtime.entrypoints.openai.model_set import ModelSet
 
 OPENAI_PREFIX = "/openai"
 ROOT_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class OpenAIRoutes:
-    """An ASGI app: 503 until ``model``'s engine is up, then the runtime's OpenAI app over that engine."""
+    """An ASGI app: 503 until every model's engine is up, then the runtime's OpenAI app over those engines (a
+    request picks its model by name: ``model_set.py``)."""
 
-    def __init__(self, model: PagedRuntimeModel, api_key: str | Sequence[str] | ApiKeys | None = None,
-                 **app_options: Any) -> None:
+    def __init__(self, models: PagedRuntimeModel | Sequence[PagedRuntimeModel],
+                 api_key: str | Sequence[str] | ApiKeys | None = None, **app_options: Any) -> None:
         """``app_options``: ``build_app``'s edge keywords (``allowed_origins``, ``max_request_body_bytes``,
         ``max_prompts_per_request``), as ``paged-runtime serve`` takes them from its flags."""
-        self.model = model
+        self.models = [models] if isinstance(models, PagedRuntimeModel) else list(models)
         self.api_key = api_key
         self.app_options = app_options
         self._app: FastAPI | None = None
@@ -48,16 +50,18 @@ class OpenAIRoutes:
         if app is not None:
             await app(scope, receive, send)
         elif scope["type"] == "http":
-            error = OpenAIError(503, f"The model `{self.model.name}` is loading; retry later.", type="server_error",
+            loading = next(m.name for m in self.models if m.async_engine is None)
+            error = OpenAIError(503, f"The model `{loading}` is loading; retry later.", type="server_error",
                                 code="model_not_ready", headers={"Retry-After": "5"})
             await error.response()(scope, receive, send)
 
     def _build(self) -> FastAPI | None:
-        engine = self.model.async_engine
-        if engine is None:
+        engines = [m.async_engine for m in self.models]
+        if any(engine is None for engine in engines):
             return None
-        self._app = build_app(engine, self.model.served_model_names, api_key=self.api_key,
-                              model_root=engine.model_root, include_metrics=False, **self.app_options)
+        models = ModelSet.of_engines([(engine, m.served_model_names, engine.model_root)
+                                      for engine, m in zip(engines, self.models)])
+        self._app = build_app(models, api_key=self.api_key, include_metrics=False, **self.app_options)
         return self._app
 
 

@@ -1,6 +1,8 @@
 """``python -m kserve_adapter``: wires the model, the OpenAI routes and KServe's ModelServer together.
 
-One process, one uvicorn worker, one engine. The HTTP server comes up at
+One process, one uvicorn worker, one engine per model (several models:
+``--model A --model B`` or ``--models-dir``, each a KServe model of its own name on v1/v2, all behind the
+OpenAI routes, which pick one by the request's ``model``). The HTTP server comes up at
 once (``/`` answers, the model's ready routes say 503) and the engine loads
 beside it. SIGTERM or SIGINT drains (``paged_runtime.entrypoints.openai.drain``):
 every new request, KServe's health and ready routes included, is a 503;
@@ -44,7 +46,7 @@ from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, is_openai_path, mount_openai_routes
 from paged_runtime.config import EngineConfig, ServerConfig
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError
-from paged_runtime.entrypoints.cli import engine_config, make_engine, server_config
+from paged_runtime.entrypoints.cli import engine_configs, make_engine, server_config
 from paged_runtime.entrypoints.openai import app_options
 from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
@@ -223,11 +225,18 @@ def request_limits(server: ServerConfig) -> RequestLimits:
     return RequestLimits(server.max_request_body_bytes, server.max_prompts_per_request)
 
 
-def build_model(args: argparse.Namespace, config: EngineConfig, server: ServerConfig) -> PagedRuntimeModel:
-    """The model, with the configured request limits and keys; its engine is built from ``config`` when it
-    starts."""
-    return PagedRuntimeModel(args.model_name, config.served_model_names, lambda: make_engine(config, server),
+def build_model(name: str, config: EngineConfig, server: ServerConfig) -> PagedRuntimeModel:
+    """The KServe model ``name``, with the configured request limits and keys; its engine is built from
+    ``config`` when it starts."""
+    return PagedRuntimeModel(name, config.served_model_names, lambda: make_engine(config, server),
                              request_limits(server), ApiKeys.of(server))
+
+
+def build_models(args: argparse.Namespace, configs: list[EngineConfig], server: ServerConfig) -> list[PagedRuntimeModel]:
+    """One KServe model per engine config: ``--model_name`` for one model, each one's served name for several."""
+    if len(configs) == 1 and isinstance(args.model, (str, type(None))):
+        return [build_model(args.model_name, configs[0], server)]
+    return [build_model(config.served_model_names[0], config, server) for config in configs]
 
 
 def install_access(app: FastAPI, keys: ApiKeys, allowed_hosts: list[str] | None, server: ServerConfig) -> None:
@@ -242,7 +251,8 @@ def install_access(app: FastAPI, keys: ApiKeys, allowed_hosts: list[str] | None,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config, server = engine_config(args), server_config(args)
+        server = server_config(args)
+        configs = engine_configs(args, server)
         options = app_options(server, bind_host=args.host)  # a chat option that cannot work fails before loading
         allowed_hosts = options.pop("allowed_hosts")  # checked on KServe's whole app, the OpenAI one included
     except ValueError as e:
@@ -250,18 +260,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_server = build_server(args, server)  # configures KServe's logging first
     configure_logging(args, server)
-    model = build_model(args, config, server)
-    model.load()
-    mount_openai_routes(kserve_app, OpenAIRoutes(model, **options))
+    models = build_models(args, configs, server)
+    for model in models:
+        model.load()
+    mount_openai_routes(kserve_app, OpenAIRoutes(models, **options))
     add_engine_error_handlers(kserve_app)
     install_body_limit(kserve_app, server.max_request_body_bytes)
     install_access(kserve_app, options["api_key"], allowed_hosts, server)  # before any body is read
     model_server.install_drain(kserve_app)  # a draining server refuses before reading any body
     try:
-        model_server.start([model])
+        model_server.start(models)
     except Exception:
         logger.exception("the model server stopped on an error")
         return 1
     finally:
-        model.stop_engine()
+        for model in models:
+            model.stop_engine()
     return 0

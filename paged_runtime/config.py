@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paged_runtime.settings import (ExtendOrigins, check_settings, from_source, parse_bytes, parse_switch,
-                                    parse_words, read_chat_template, setting)
+from paged_runtime.settings import (CollectPaths, ExtendOrigins, check_settings, from_source, parse_bytes,
+                                    parse_switch, parse_words, read_chat_template, setting)
 from paged_runtime.core.kv_events import KVEventsConfig
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.pooling_params import POOLING_TYPES, RUNNERS, parse_runner
@@ -59,8 +59,8 @@ def served_model_names(served_model_name: str | list[str] | None, model: str | N
 @dataclass
 class EngineConfig:
     """What the engine runs and how (``LLM(...)`` keywords; flags and Ray arguments of the same names)."""
-    model: str | None = setting(None, "Hugging Face folder or .gguf file; None: the embedded SmolLM2-135M-Instruct",
-                                metavar="MODEL")
+    model: str | None = setting(None, "Hugging Face folder or .gguf file; None: the embedded SmolLM2-135M-Instruct "
+                                "(serve: repeat it to serve several models)", metavar="MODEL", action=CollectPaths)
     tokenizer: str | None = setting(None, "tokenizer folder; None: the model's")
     served_model_name: list[str] | None = setting(
         None, "name(s) clients use for the model; the first one labels the metrics; None: the model path",
@@ -233,6 +233,15 @@ class ServerConfig:
     responses_store_max_bytes: int = setting(
         DEFAULT_RESPONSES_STORE_MAX_BYTES, "most bytes of stored /v1/responses (their JSON, conversations included; "
         "e.g. 64MiB)", ge=0, parse=parse_bytes, group="server")
+    models_dir: str | None = setting(
+        None, "serve every model in this folder (each folder in it holding a config.json, each .gguf file), named "
+        "by folder or file stem, beside any --model; requests pick one by 'model'", metavar="DIR", group="models",
+        front_ends=frozenset({"serve", "kserve"}))
+    max_loaded_models: int | None = setting(
+        None, "with several models, keep at most this many loaded: a model loads on its first request, after "
+        "the least recently used idle one is unloaded; each loaded model's KV cache gets --kv-cache-memory, or "
+        "this share of the default budget; None: every model, loaded at start", ge=1, group="models",
+        front_ends=frozenset({"serve"}))
     allowed_origins: list[str] | None = setting(
         None, "enable CORS for exactly these origins (e.g. https://app.example.com, or vLLM's JSON list "
         "'[\"https://a\"]'); None: no CORS", metavar="ORIGIN", action=ExtendOrigins, group="server")

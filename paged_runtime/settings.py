@@ -291,6 +291,13 @@ def read_chat_template(text: str) -> str:
     raise ValueError(f"{text!r} is neither a readable file nor a Jinja template")
 
 
+class CollectPaths(argparse.Action):
+    """``--model A --model B`` (or ``--model A B``): every path given, in order (several models, one server)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *values])
+
+
 class ExtendOrigins(argparse.Action):
     """``--allowed-origins A B`` or vLLM's ``--allowed-origins '["A", "B"]'``: one flat list of origins."""
 

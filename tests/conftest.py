@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama saved as a real safetensors folder, the embedded SmolLM2.
+"""Shared fixtures: a tiny random Llama (and a tiny random BERT) saved as a real safetensors folder, the embedded
+SmolLM2.
 
 Every engine a test builds runs with the block-accounting invariant checks on.
 """
@@ -58,6 +59,30 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
     model.save_pretrained(folder, safe_serialization=True)
     copy_tokenizer(smollm2_dir, folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A 2-layer random BertModel (an encoder: it only pools) with a WordPiece tokenizer, built offline
+    (``helpers/tiny_bert.py``); no sentence-transformers files (its pooling is the family's, CLS)."""
+    from helpers.tiny_bert import save_tiny_bert
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    save_tiny_bert(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def two_models_dir(tmp_path_factory, tiny_llama_dir, smollm2_dir):
+    """A folder of two models (several models, one server): alpha, the tiny Llama; beta, the same shape with
+    other weights (so an answer from the wrong model shows)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    root = tmp_path_factory.mktemp("models")
+    (root / "alpha").symlink_to(tiny_llama_dir, target_is_directory=True)
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_llama_dir)).to(torch.float32).save_pretrained(
+        root / "beta", safe_serialization=True)
+    copy_tokenizer(smollm2_dir, root / "beta")
+    return root
 
 
 def copy_tokenizer(tokenizer_dir, folder) -> None:

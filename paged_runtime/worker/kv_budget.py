@@ -34,6 +34,16 @@ def free_memory(device: torch.device, utilization: float, num_ranks_here: int = 
     return min(int(available * _CPU_SHARE), _CPU_CAP) // num_ranks_here
 
 
+def shared_kv_budget(device: torch.device, num_models: int) -> int:
+    """Each engine's KV budget when one process keeps ``num_models`` models loaded (several models, one
+    server): on the CPU the single-model default share of free memory, split evenly. A GPU's default budget is
+    "what is left of the card" when the engine starts, which the first engine would take whole, so several
+    models on one GPU need their bytes given (``--kv-cache-memory``, per model)."""
+    if device.type == "cuda":
+        raise ValueError("several models on one GPU need --kv-cache-memory: the bytes of each model's KV cache")
+    return free_memory(device, 1.0) // num_models
+
+
 def num_kv_blocks(per_block: int, block_size: int, budget: int, max_model_len: int, max_num_seqs: int,
                   blocks_per_request: int | None = None) -> int:
     """Blocks of ``per_block`` bytes that fit in ``budget``, capped at what ``max_num_seqs`` full-length

@@ -354,7 +354,7 @@ def test_the_configured_limits_reach_the_models_serving_object():
     from kserve_adapter.server import build_model
     from paged_runtime.entrypoints.openai.serving import RequestLimits
     args = parse_args(["--model_name", "m", "--max-request-body-bytes", "1KiB", "--max-prompts-per-request", "3"])
-    model = build_model(args, engine_config(args), server_config(args))
+    model = build_model(args.model_name, engine_config(args), server_config(args))
     model.engine_factory = PredictEngine  # instead of loading weights
     model.load()
     asyncio.run(model.start_engine())

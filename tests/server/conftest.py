@@ -67,7 +67,6 @@ def running_server(model_dir, name: str, *, api_key: str | None = None, max_wait
                    app_options: dict | None = None, step_timeout: float | None = None, **engine_kwargs):
     """An AsyncEngine over ``model_dir`` behind uvicorn on 127.0.0.1; stopped on exit. ``app_options``: more
     ``build_app`` keywords (``chat_template``, ``chat_options``, ...); ``step_timeout``: the engine's watchdog."""
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from paged_runtime.config import EngineConfig
@@ -82,6 +81,17 @@ def running_server(model_dir, name: str, *, api_key: str | None = None, max_wait
                                      max_waiting_requests=max_waiting_requests,
                                      stat_loggers=[PrometheusStatLogger(name, registry)], step_timeout=step_timeout)
     app = build_app(engine, [name], api_key=api_key, registry=registry, **(app_options or {}))
+    try:
+        with serving(app) as url:
+            yield Server(url, engine, registry, name)
+    finally:
+        engine.shutdown()
+
+
+@contextmanager
+def serving(app):
+    """``app`` behind uvicorn on 127.0.0.1 (a free port), in a thread; yields its URL; stopped on exit."""
+    import uvicorn
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=5,
                                            timeout_graceful_shutdown=2))
@@ -93,12 +103,11 @@ def running_server(model_dir, name: str, *, api_key: str | None = None, max_wait
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.01)
         host, port = sock.getsockname()
-        yield Server(f"http://{host}:{port}", engine, registry, name)
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(15)
         sock.close()
-        engine.shutdown()
 
 
 @pytest.fixture(scope="session")

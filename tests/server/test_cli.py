@@ -180,3 +180,27 @@ def test_api_key_from_the_flag_then_the_projects_variable_then_vllms(env, key, m
     assert server().api_key == key
     assert server("--api-key", "flag").api_key == ["flag"]
     assert server("--api-key", "k1", "k2").api_key == ["k1", "k2"]
+
+
+# ---- several models, one server (issue 37) -----------------------------------------------------
+def test_several_models_get_one_config_each_with_their_names_and_a_share_of_the_kv_budget(two_models_dir):
+    import torch
+
+    from paged_runtime.entrypoints.cli import engine_configs
+    from paged_runtime.worker.kv_budget import free_memory
+    alpha, beta = str(two_models_dir / "alpha"), str(two_models_dir / "beta")
+    for argv in (["serve", alpha, "--model", beta], ["serve", "--model", alpha, "--model", beta],
+                 ["serve", "--models-dir", str(two_models_dir)]):
+        args = build_parser().parse_args([*argv, "--max-num-seqs", "8"])
+        configs = engine_configs(args, server_config(args))
+        assert [(c.model, c.served_model_names, c.max_num_seqs) for c in configs] == [
+            (alpha, ["alpha"], 8), (beta, ["beta"], 8)], argv
+        share = free_memory(torch.device("cpu"), 1.0) // 2
+        assert all(abs(c.kv_cache_memory - share) < 64 * 2**20 for c in configs)  # MemAvailable moves a little
+    args = serve_args("--models-dir", str(two_models_dir), "--max-loaded-models", "1", "--kv-cache-memory", "8MiB")
+    assert [c.kv_cache_memory for c in engine_configs(args, server_config(args))] == [8 * 2**20] * 2  # per model
+    args = serve_args("--model", alpha, "--model", beta, "--served-model-name", "x")
+    with pytest.raises(ValueError, match="--served-model-name names one model"):
+        engine_configs(args, server_config(args))
+    with pytest.raises(ValueError, match="2 models are named"):
+        engine_config(serve_args("--model", alpha, "--model", beta))

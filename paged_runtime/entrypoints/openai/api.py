@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -53,14 +54,16 @@ from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard, Tenant, 
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
                                                     parse_json, payload_too_large, unsupported_media_type)
+from paged_runtime.entrypoints.openai.model_set import ModelSet
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                       EmbeddingRequest, ResponsesRequest, TokenizeRequest)
+                                                       EmbeddingRequest, ModelNameRequest, ResponsesRequest,
+                                                       TokenizeRequest)
 from paged_runtime.entrypoints.openai.response_store import ResponseStore
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, StreamingResult
 from paged_runtime.entrypoints.openai.serving_chat import ChatOptions, ChatServing
 from paged_runtime.entrypoints.openai.serving_completion import CompletionServing
 from paged_runtime.entrypoints.openai.serving_embedding import EmbeddingServing
-from paged_runtime.entrypoints.openai.serving_responses import ResponsesServing
+from paged_runtime.entrypoints.openai.serving_responses import ResponsesServing, StoredResponses
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -194,7 +197,23 @@ def app_options(server: ServerConfig, bind_host: str | None = None) -> dict[str,
             "responses_store_max_bytes": server.responses_store_max_bytes}
 
 
-def build_router(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
+@dataclass(frozen=True)
+class ModelRoutes:
+    """One loaded model's route handlers, over its engine (``ModelSet.bind`` makes them per engine)."""
+    engine: EngineClient
+    completions: CompletionServing
+    chat: ChatServing
+    responses: ResponsesServing
+    embeddings: EmbeddingServing
+
+    def generating(self, route: str) -> None:
+        """A 400 naming ``route`` when the model runs as a pooler (it has no generation to offer)."""
+        if self.engine.config.is_pooling:
+            raise bad_request(f"{route} needs a generative model; this model runs as a pooling model "
+                              "(--runner pooling): use /v1/embeddings", code="unsupported_model")
+
+
+def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[str] | None = None, *,
                  api_key: str | Sequence[str] | ApiKeys | None = None, registry: CollectorRegistry | None = None,
                  model_root: str | None = None, include_metrics: bool = True,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -203,111 +222,131 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
                  chat_options: ChatOptions | None = None, enable_prompt_tokens_details: bool = False,
                  responses_store_max_entries: int = DEFAULT_RESPONSES_STORE_MAX_ENTRIES,
                  responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES) -> APIRouter:
-    """All routes over ``engine``. ``chat_template``: Jinja text that replaces the tokenizer's chat template
-    (chat completions and /tokenize; ``--chat-template``); ``chat_options``: the chat route's tool calling
-    and reasoning settings. ``registry`` is what /metrics shows (default: the global REGISTRY);
-    hosts with a /metrics of their own (KServe) pass ``include_metrics=False`` and share the registry.
-    ``max_request_body_bytes`` (413 beyond) and ``max_prompts_per_request`` (a completions ``prompt``
-    list; 400 beyond) bound one request; ``metrics_require_api_key`` puts /metrics behind the key;
-    ``enable_prompt_tokens_details``: usage reports ``cached_tokens``. ``responses_store_*``: the bounds of
-    the stored responses of /v1/responses (``response_store.py``; 0: nothing is stored)."""
+    """All routes over ``engine``, or over each model of a ``ModelSet`` (``model_set.py``: a request goes to the
+    model it names; ``served_model_names`` and ``model_root`` then come from the set). ``chat_template``:
+    Jinja text that replaces the tokenizer's chat template (chat completions and /tokenize;
+    ``--chat-template``); ``chat_options``: the chat route's tool calling and reasoning settings.
+    ``registry`` is what /metrics shows (default: the global REGISTRY); hosts with a /metrics of their own
+    (KServe) pass ``include_metrics=False`` and share the registry. ``max_request_body_bytes`` (413 beyond)
+    and ``max_prompts_per_request`` (a completions ``prompt`` list; 400 beyond) bound one request;
+    ``metrics_require_api_key`` puts /metrics behind the key; ``enable_prompt_tokens_details``: usage reports
+    ``cached_tokens``. ``responses_store_*``: the bounds of the stored responses of /v1/responses
+    (``response_store.py``; 0: nothing is stored)."""
     from paged_runtime import __version__
-    served_model_names = list(served_model_names or engine.config.served_model_names)
+    models = engine if isinstance(engine, ModelSet) else ModelSet.single(
+        engine, served_model_names or engine.config.served_model_names, model_root or engine.model_root)
     limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
-    completions = CompletionServing(engine, served_model_names, limits,
-                                    prompt_tokens_details=enable_prompt_tokens_details)
-    chat = ChatServing(engine, served_model_names, limits, chat_template, chat_options,
-                       prompt_tokens_details=enable_prompt_tokens_details)
-    responses = ResponsesServing(engine, served_model_names, limits, chat_template, chat_options,
-                                 prompt_tokens_details=enable_prompt_tokens_details,
-                                 store=ResponseStore(responses_store_max_entries, responses_store_max_bytes))
-    embeddings = EmbeddingServing(engine, served_model_names, limits)
+    stored = StoredResponses(ResponseStore(responses_store_max_entries, responses_store_max_bytes))
+
+    def make_routes(model_engine: EngineClient, names: list[str]) -> ModelRoutes:
+        details = enable_prompt_tokens_details
+        return ModelRoutes(
+            model_engine, CompletionServing(model_engine, names, limits, prompt_tokens_details=details),
+            ChatServing(model_engine, names, limits, chat_template, chat_options, prompt_tokens_details=details),
+            ResponsesServing(model_engine, names, limits, chat_template, chat_options, prompt_tokens_details=details,
+                             responses=stored),
+            EmbeddingServing(model_engine, names, limits))
+
+    models.bind(make_routes)
     created = int(time.time())
-    root = model_root or engine.model_root
     router = APIRouter(route_class=OpenAIRoute)
     keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys(api_key)
     authenticate = authenticator(keys)
     auth = [Depends(authenticate)]
     max_body = limits.max_body_bytes
 
-    def generating(route: str) -> None:
-        """A 400 naming ``route`` when the model runs as a pooler (it has no generation to offer)."""
-        if engine.config.is_pooling:
-            raise bad_request(f"{route} needs a generative model; this server runs its model as a pooling model "
-                              "(--runner pooling): use /v1/embeddings", code="unsupported_model")
-
     async def parse_as(request: Request, model: type[ModelT], tenant: Tenant) -> ModelT:
         body = await _parse(request, model, max_body)
         body.cache_salt = tenant.cache_salt(body.cache_salt)
         return body
 
-    async def respond(create: Callable[..., Awaitable[dict | StreamingResult]], *args: Any) -> Response:
-        """A generate route's answer, ``create(*args)``: its SSE stream, or its whole body."""
-        result = await create(*args)
-        if isinstance(result, StreamingResult):
-            return SSEResponse(result)
-        return JSONResponse(result)
+    async def answer(request: Request, model: str | None, work: Callable[[ModelRoutes], Awaitable[Any]]) -> Response:
+        """``work`` on the routes of the model the request names (loaded first, if need be), raced against the
+        client's disconnect; a generate route's SSE stream or whole body, or an embeddings body."""
+        async def run() -> Response:
+            async with models.use(model) as routes:
+                result = await work(routes)
+            return SSEResponse(result) if isinstance(result, StreamingResult) else JSONResponse(result)
+
+        response = await _until_disconnect(request, run())
+        return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    def generate(route: str, create: Callable[[ModelRoutes], Callable[..., Awaitable[Any]]], *args: Any):
+        """``work`` for ``answer``: ``route``'s create method on a generative model."""
+        async def work(routes: ModelRoutes) -> Any:
+            routes.generating(route)
+            return await create(routes)(*args)
+        return work
 
     @router.post("/v1/completions")
     async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
-        generating("/v1/completions")
         body = await parse_as(request, CompletionRequest, tenant)
-        response = await _until_disconnect(request, respond(completions.create, body))
-        return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await answer(request, body.model, generate("/v1/completions", lambda r: r.completions.create, body))
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
-        generating("/v1/chat/completions")
         body = await parse_as(request, ChatCompletionRequest, tenant)
-        response = await _until_disconnect(request, respond(chat.create, body))
-        return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await answer(request, body.model, generate("/v1/chat/completions", lambda r: r.chat.create, body))
 
     @router.post("/v1/responses")
     async def create_response(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
-        generating("/v1/responses")
         body = await parse_as(request, ResponsesRequest, tenant)
-        response = await _until_disconnect(request, respond(responses.create, body, tenant.owner))
-        return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await answer(request, body.model,
+                            generate("/v1/responses", lambda r: r.responses.create, body, tenant.owner))
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request, tenant: Tenant = Depends(authenticate)) -> dict:
         if request.query_params.get("stream", "false").lower() not in ("false", "0"):
             raise bad_request("streaming a stored response is not supported: GET it without stream",
                               param="stream", code="unsupported_parameter")
-        return responses.retrieve(tenant.owner, response_id)
+        return stored.retrieve(tenant.owner, response_id)
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, tenant: Tenant = Depends(authenticate)) -> dict:
-        return responses.delete(tenant.owner, response_id)
+        return stored.delete(tenant.owner, response_id)
 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, tenant: Tenant = Depends(authenticate)) -> dict:
-        return await responses.cancel(tenant.owner, response_id)
+        return await stored.cancel(tenant.owner, response_id)
 
     @router.post("/v1/embeddings")
     async def create_embedding(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
         body = await parse_as(request, EmbeddingRequest, tenant)
-        response = await _until_disconnect(request, embeddings.create(body))
-        return JSONResponse(response) if response is not None else Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await answer(request, body.model, lambda routes: routes.embeddings.create(body))
 
     @router.post("/v1/completions/render")
     async def render_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> list:
-        return await completions.render_request(await parse_as(request, CompletionRequest, tenant))
+        body = await parse_as(request, CompletionRequest, tenant)
+        async with models.use(body.model) as routes:
+            return await routes.completions.render_request(body)
 
     @router.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> dict:
-        return await chat.render_request(await parse_as(request, ChatCompletionRequest, tenant))
+        body = await parse_as(request, ChatCompletionRequest, tenant)
+        async with models.use(body.model) as routes:
+            return await routes.chat.render_request(body)
 
     @router.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "paged-runtime",
-             "root": root, "parent": None, "max_model_len": engine.max_model_len}
-            for name in served_model_names]}
+        return {"object": "list", "data": models.listing(created)}
+
+    if models.can_unload:
+        @router.post("/models/load", dependencies=auth)
+        async def load_model(request: Request) -> dict:
+            """llama.cpp's route: load a model now (unloading the least recently used idle one if need be)."""
+            name = _model_field(await _parse(request, ModelNameRequest, max_body))
+            await _until_disconnect(request, models.load(name))
+            return {"success": True}
+
+        @router.post("/models/unload", dependencies=auth)
+        async def unload_model(request: Request) -> dict:
+            """llama.cpp's route: unload an idle model now (409 while it has requests in flight)."""
+            await models.unload(_model_field(await _parse(request, ModelNameRequest, max_body)))
+            return {"success": True}
 
     @router.get("/health")
     async def health() -> Response:
-        engine.check_health()
+        models.check_health()
         return Response(status_code=200)
 
     @router.get("/version")
@@ -316,19 +355,23 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
 
     @router.post("/reset_prefix_cache", dependencies=auth)
     async def reset_prefix_cache() -> Response:
-        """vLLM's route: forget every cached prefix (KV-cache event subscribers get AllBlocksCleared)."""
-        engine.reset_prefix_cache()
+        """vLLM's route: forget every cached prefix of every loaded model (KV-cache event subscribers get
+        AllBlocksCleared)."""
+        for model_engine in models.loaded_engines():
+            model_engine.reset_prefix_cache()
         return Response(status_code=200)
 
     @router.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict:
         body = await _parse(request, TokenizeRequest, max_body)
-        return await chat.tokenizer_worker.run(_tokenize, chat, body)
+        async with models.use(body.model) as routes:
+            return await routes.chat.tokenizer_worker.run(_tokenize, routes.chat, body)
 
     @router.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict:
         body = await _parse(request, DetokenizeRequest, max_body)
-        return await chat.tokenizer_worker.run(_detokenize, chat, body)
+        async with models.use(body.model) as routes:
+            return await routes.chat.tokenizer_worker.run(_detokenize, routes.chat, body)
 
     if include_metrics:
         source = registry if registry is not None else REGISTRY
@@ -338,6 +381,12 @@ def build_router(engine: EngineClient, served_model_names: Sequence[str] | None 
             return Response(generate_latest(source), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def _model_field(req: ModelNameRequest) -> str:
+    if not req.model:
+        raise bad_request("'model' names the model", param="model")
+    return req.model
 
 
 def _tokenize(serving: ChatServing, req: TokenizeRequest) -> dict:

@@ -269,6 +269,11 @@ class DetokenizeRequest(OpenAIModel):
     tokens: TokenIds
 
 
+class ModelNameRequest(OpenAIModel):
+    """llama.cpp's POST /models/load and /models/unload (a server of several models)."""
+    model: str | None = None
+
+
 # ---- POST /v1/responses -------------------------------------------------------------------------------------
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on a response's metadata
 MAX_METADATA_KEY_CHARS = 64

@@ -285,31 +285,16 @@ def _part(kind: str, text: str) -> dict:
 
 
 # ---- the route ------------------------------------------------------------------------------------------------
-class ResponsesServing(ChatServing):
-    """/v1/responses over the chat route's preparation (``_prepare``) and output parsing (``_choice_text``)."""
+class StoredResponses:
+    """A router's stored responses (``store``) and the background ones still running, whatever model made
+    them: GET, DELETE and cancel of /v1/responses/{id} need no model."""
 
-    def __init__(self, engine, served_model_names, limits=None, chat_template=None, options=None, *,
-                 prompt_tokens_details: bool = False, store: ResponseStore | None = None) -> None:
-        super().__init__(engine, served_model_names, limits, chat_template, options,
-                         prompt_tokens_details=prompt_tokens_details)
+    def __init__(self, store: ResponseStore | None = None) -> None:
         self.store = store if store is not None else ResponseStore(0, 0)
-        self._background: dict[tuple[str | None, str], tuple[asyncio.Task, _Run]] = {}
+        self.running: dict[tuple[str | None, str], tuple[asyncio.Task, _Run]] = {}
 
-    async def create(self, req: ResponsesRequest, owner: str | None = None) -> dict | StreamingResult:
-        """The Response object, or a StreamingResult of its events for ``stream``. Raises before anything runs if
-        the request is bad."""
-        run = await self._start(req, owner)
-        if req.background:
-            return self._run_in_background(run)
-        if req.stream:
-            return StreamingResult(self._stream(run), [run.stream])
-        async for _ in run.events():
-            pass
-        return run.body
-
-    # ---- stored responses ----------------------------------------------------------------------------------
     def retrieve(self, owner: str | None, response_id: str) -> dict:
-        return self._stored(owner, response_id, "response_id").body
+        return self.stored(owner, response_id, "response_id").body
 
     def delete(self, owner: str | None, response_id: str) -> dict:
         """Forgets a stored response (a background one still running is cancelled first)."""
@@ -326,32 +311,54 @@ class ResponsesServing(ChatServing):
             task, run = stopped
             await asyncio.gather(task, return_exceptions=True)
             self.store.put(owner, response_id, {**run.body, "status": "cancelled", "output": []}, [])
-        body = self._stored(owner, response_id, "response_id").body
+        body = self.stored(owner, response_id, "response_id").body
         if not body.get("background"):
             raise bad_request("Cannot cancel a synchronous response.", param="response_id")
         return body
 
+    def stored(self, owner: str | None, response_id: str, param: str) -> StoredResponse:
+        entry = self.store.get(owner, response_id)
+        if entry is None:
+            raise not_found(response_id, param)
+        return entry
+
     def _stop(self, owner: str | None, response_id: str) -> tuple[asyncio.Task, _Run] | None:
         """Cancels a running background response's task and aborts its request: (task, run), or None if none
         was running (not one of this owner's, or already ended: it then stored how it ended)."""
-        running = self._background.pop((owner, response_id), None)
+        running = self.running.pop((owner, response_id), None)
         if running is None or not running[0].cancel():  # cancel() is False once the task has ended
             return None
         running[1].stream.abort()  # the task may never have started: its merge() would abort on exit
         return running
 
-    def _stored(self, owner: str | None, response_id: str, param: str) -> StoredResponse:
-        entry = self.store.get(owner, response_id)
-        if entry is None:
-            raise not_found(response_id, param)
-        return entry
+
+class ResponsesServing(ChatServing):
+    """/v1/responses over the chat route's preparation (``_prepare``) and output parsing (``_choice_text``)."""
+
+    def __init__(self, engine, served_model_names, limits=None, chat_template=None, options=None, *,
+                 prompt_tokens_details: bool = False, responses: StoredResponses | None = None) -> None:
+        super().__init__(engine, served_model_names, limits, chat_template, options,
+                         prompt_tokens_details=prompt_tokens_details)
+        self.responses = responses if responses is not None else StoredResponses()
+
+    async def create(self, req: ResponsesRequest, owner: str | None = None) -> dict | StreamingResult:
+        """The Response object, or a StreamingResult of its events for ``stream``. Raises before anything runs if
+        the request is bad."""
+        run = await self._start(req, owner)
+        if req.background:
+            return self._run_in_background(run)
+        if req.stream:
+            return StreamingResult(self._stream(run), [run.stream])
+        async for _ in run.events():
+            pass
+        return run.body
 
     # ---- one response --------------------------------------------------------------------------------------
     async def _start(self, req: ResponsesRequest, owner: str | None) -> _Run:
         """Checks and submits the request: a 4xx before anything runs if it is bad."""
         history: list[dict] = []
         if req.previous_response_id is not None:
-            previous = self._stored(owner, req.previous_response_id, "previous_response_id")
+            previous = self.responses.stored(owner, req.previous_response_id, "previous_response_id")
             if previous.body["status"] not in FINISHED:
                 raise bad_request(f"response {req.previous_response_id!r} is {previous.body['status']}: only a "
                                   "completed or incomplete response can be continued", param="previous_response_id")
@@ -410,10 +417,10 @@ class ResponsesServing(ChatServing):
         """Stores the queued response and generates it in a task of its own (not the HTTP request's)."""
         key = (run.owner, run.body["id"])
         run.body = {**run.body, "status": "queued"}
-        self.store.put(run.owner, run.body["id"], run.body, [])
+        self.responses.store.put(run.owner, run.body["id"], run.body, [])
         task = asyncio.get_running_loop().create_task(self._background_task(run))
-        self._background[key] = (task, run)
-        task.add_done_callback(lambda _: self._background.pop(key, None))
+        self.responses.running[key] = (task, run)
+        task.add_done_callback(lambda _: self.responses.running.pop(key, None))
         return run.body
 
     @staticmethod
@@ -494,7 +501,7 @@ class _Run:
         if self.req.store is False:
             return
         output_messages, _ = conversation(self.body["output"], "output")
-        self.serving.store.put(self.owner, self.body["id"], self.body, self.conversation + output_messages)
+        self.serving.responses.store.put(self.owner, self.body["id"], self.body, self.conversation + output_messages)
 
 
 def not_found(response_id: str, param: str) -> OpenAIError:
