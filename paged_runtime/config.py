@@ -235,8 +235,7 @@ class ServerConfig:
         "e.g. 64MiB)", ge=0, parse=parse_bytes, group="server")
     models_dir: str | None = setting(
         None, "serve every model in this folder (each folder in it holding a config.json, each .gguf file), named "
-        "by folder or file stem, beside any --model; requests pick one by 'model'", metavar="DIR", group="models",
-        front_ends=frozenset({"serve", "kserve"}))
+        "by folder or file stem, beside any --model; requests pick one by 'model'", metavar="DIR", group="models")
     max_loaded_models: int | None = setting(
         None, "with several models, keep at most this many loaded: a model loads on its first request, after "
         "the least recently used idle one is unloaded; each loaded model's KV cache gets --kv-cache-memory, or "

@@ -43,6 +43,9 @@ class ServeFields(BaseModel):
     # power_of_two (Serve's default).
     request_router: Literal["kv_events", "prefix", "power_of_two"] = "kv_events"
     routing_stats_period_s: float = Field(default=2.0, gt=0)
+    # Several models in one application (with or beside models_dir): paths, each served by a model deployment
+    # of its own (named by folder or file stem), behind the ingress, which routes each request by its model.
+    models: list[str] | None = None
 
     @field_validator("max_queued_requests")
     @classmethod
@@ -61,6 +64,11 @@ class ServeFields(BaseModel):
         check_values(SETTINGS, self)  # choices and bounds, as the engine and the CLI check them
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("set either num_replicas or autoscaling_config, not both")
+        if self.multi_model:
+            if self.model is not None or self.served_model_name:
+                raise ValueError("with models / models_dir, every model is named there: leave model and "
+                                 "served_model_name unset")
+            self.model_specs()  # a missing path or two models of one name fail here, at build
         self.app_options()  # an unknown parser name or auto tool choice without a parser fails here, at build
         return self
 
@@ -89,6 +97,20 @@ class ServeFields(BaseModel):
     def multi_replica(self) -> bool:
         """Two deployments (ingress + model, prefix-aware routing) once there can be more than one replica."""
         return self.max_model_replicas > 1
+
+    @property
+    def multi_model(self) -> bool:
+        return bool(self.models) or self.models_dir is not None
+
+    def model_specs(self) -> list:
+        """The models of ``models`` and ``models_dir`` (``model_set.discover``; ValueError for a bad path)."""
+        from paged_runtime.entrypoints.openai.model_set import discover
+        return discover(self.models or [], self.models_dir)
+
+    def for_model(self, spec) -> AppArgs:
+        """These arguments for one model of several: its path, served under its name alone."""
+        return self.model_copy(update={"model": spec.path, "served_model_name": [spec.name], "models": None,
+                                       "models_dir": None})
 
     def server_config(self) -> ServerConfig:
         return ServerConfig.from_attributes(self)

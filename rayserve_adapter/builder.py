@@ -5,6 +5,10 @@ and serves the OpenAI routes itself. More than one (``num_replicas > 1``, or
 ``autoscaling_config`` with ``max_replicas > 1``): an ingress deployment
 forwards to the model deployment, routed by the replicas' KV-cache events
 (``request_router``: or prefix affinity, or Serve's power of two choices).
+Several models (``models=[A, B]`` or ``models_dir``): one model deployment per
+model (``PagedRuntimeServer-<name>``, each with the replicas, routing and
+placement above), behind one ingress that picks the deployment by the
+request's ``model``.
 
 Deployment options derived from the arguments:
 
@@ -24,7 +28,7 @@ still override any of these.
 """
 # No `from __future__ import annotations` here: Serve reads the builder's parameter annotation as a class
 # to validate `args` into an AppArgs.
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ray.serve import Application
 
@@ -43,6 +47,11 @@ SHUTDOWN_MARGIN_S = 5.0  # the ingress outlives the model replicas' grace by thi
 def app(args: AppArgs) -> Application:
     """The Serve application for ``args`` (a dict is accepted too)."""
     args = parse_args(args)
+    if args.multi_model:
+        models = {spec.name: PagedRuntimeBackend.options(**model_options(args.for_model(spec), spec.name))
+                  .bind(args.for_model(spec)) for spec in args.model_specs()}
+        return PagedRuntimeIngress.options(**ingress_options(args, len(models))).bind(
+            models, args.max_request_body_bytes, args.kv_event_routing, args.server_config())
     if not args.multi_replica:
         return PagedRuntimeServer.options(**model_options(args)).bind(args)
     model = PagedRuntimeBackend.options(**model_options(args)).bind(args)
@@ -50,9 +59,10 @@ def app(args: AppArgs) -> Application:
                                                                      args.kv_event_routing)
 
 
-def model_options(args: AppArgs) -> Dict[str, Any]:
+def model_options(args: AppArgs, model_name: Optional[str] = None) -> Dict[str, Any]:
+    """A model deployment's options; ``model_name``: one model of several (its deployment is named after it)."""
     options: Dict[str, Any] = {
-        "name": MODEL_DEPLOYMENT,
+        "name": MODEL_DEPLOYMENT if model_name is None else f"{MODEL_DEPLOYMENT}-{model_name}",
         "max_ongoing_requests": args.replica_max_ongoing_requests,
         "max_queued_requests": args.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": args.retry_after_s},
@@ -63,7 +73,7 @@ def model_options(args: AppArgs) -> Dict[str, Any]:
         options["autoscaling_config"] = {"policy": {"policy_function": POLICY_PATH}, **args.autoscaling_config}
     else:
         options["num_replicas"] = args.num_replicas
-    if args.multi_replica:
+    if args.multi_replica:  # several replicas of this model: routed among them by prefix or KV events
         router: Dict[str, Any] = {"request_routing_stats_period_s": args.routing_stats_period_s}
         if args.request_router in ROUTERS:
             router["request_router_class"] = ROUTERS[args.request_router]
@@ -71,9 +81,11 @@ def model_options(args: AppArgs) -> Dict[str, Any]:
     return options
 
 
-def ingress_options(args: AppArgs) -> Dict[str, Any]:
-    """One light replica: no GPU, and room for every request the model replicas can run or queue."""
-    capacity = args.replica_max_ongoing_requests * args.max_model_replicas + max(args.max_queued_requests, 0)
+def ingress_options(args: AppArgs, num_models: int = 1) -> Dict[str, Any]:
+    """One light replica: no GPU, and room for every request the model replicas (of every model) can run or
+    queue."""
+    capacity = (args.replica_max_ongoing_requests * args.max_model_replicas + max(args.max_queued_requests, 0)) \
+        * num_models
     return {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "ray_actor_options": {"num_cpus": args.num_cpus},
             "max_ongoing_requests": capacity + INGRESS_HEADROOM,
             "backpressure_config": {"status_code": 429, "retry_after_s": args.retry_after_s},

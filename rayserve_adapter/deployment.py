@@ -30,7 +30,9 @@
 ``OpenAIIngress`` (deployed as ``PagedRuntimeIngress``)
     Forwards every HTTP request, unparsed, through a streaming handle to the
     model deployment, with the prompt text as the routing key; streams the
-    response back. When the model deployment's queue is full it answers 429
+    response back. With several models (one deployment each) it picks the
+    deployment by the body's ``model``, and answers ``GET /v1/models`` and
+    ``/health`` from every deployment's. When the model deployment's queue is full it answers 429
     with ``Retry-After`` in OpenAI's error shape. A client that goes away
     cancels the handle call, which the replica sees as a disconnect. A model
     replica that dies or is killed mid-request (Serve's graceful shutdown
@@ -60,9 +62,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from paged_runtime.config import DEFAULT_MAX_REQUEST_BODY_BYTES
+from paged_runtime.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from paged_runtime.entrypoints.openai.access import ApiKeys
 from paged_runtime.entrypoints.openai.api import read_body  # torch-free, as the ingress needs
-from paged_runtime.entrypoints.openai.errors import OpenAIError
+from paged_runtime.entrypoints.openai.errors import OpenAIError, bad_request, model_not_found
 from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
@@ -191,17 +194,51 @@ class ServeEngineReplica(EngineReplica):
         await self.graceful_shutdown()
 
 
-class OpenAIIngress:
-    """Multi-replica mode's HTTP front: forwards to the model deployment (see the module docstring)."""
+class ModelBackend:
+    """The ingress's view of one model deployment: its handles and its prompt renderer (KV-event routing)."""
 
-    def __init__(self, model: DeploymentHandle, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-                 render_tokens: bool = False) -> None:
-        """``render_tokens``: give the router each generate request's token ids (KV-event routing), rendered here
-        with a replica's tokenizer and chat template (``render.py``; fetched on first use)."""
-        self.model = model.options(stream=True)
-        self.spec_source = model.options(stream=False) if render_tokens else None
+    def __init__(self, handle: DeploymentHandle, render_tokens: bool) -> None:
+        self.model = handle.options(stream=True)
+        self.calls = handle.options(stream=False)
+        self.render_tokens = render_tokens
         self.renderer: PromptRenderer | None = None
         self._renderer_lock = asyncio.Lock()
+
+    async def with_tokens(self, forwarded: ForwardedRequest) -> ForwardedRequest:
+        """With KV-event routing, a generate request with its prompt token ids; unchanged where they cannot be
+        had (the request then goes by prefix affinity)."""
+        if not self.render_tokens or forwarded.routing_key is None:
+            return forwarded
+        renderer = self.renderer or await self._fetch_renderer()
+        if renderer is None:
+            return forwarded
+        return dataclasses.replace(forwarded, routing_tokens=await renderer.tokens(forwarded.path, forwarded.body))
+
+    async def _fetch_renderer(self) -> PromptRenderer | None:
+        """A replica's tokenizer and template, once; None (tried again next time) if no replica could say."""
+        async with self._renderer_lock:
+            if self.renderer is None:
+                try:
+                    self.renderer = PromptRenderer(*await self.calls.render_spec.remote())
+                except Exception as e:
+                    logger.warning("no prompt renderer yet (%s: %s); routing by prefix affinity", type(e).__name__, e)
+            return self.renderer
+
+
+class OpenAIIngress:
+    """The HTTP front of multi-replica and multi-model modes: forwards to the model deployments (see the module
+    docstring)."""
+
+    def __init__(self, model: DeploymentHandle | dict[str, DeploymentHandle],
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, render_tokens: bool = False,
+                 server: ServerConfig | None = None) -> None:
+        """``model``: the model deployment, or several by model name (a request goes to the one its ``model``
+        names; ``server``'s API keys then guard the answers the ingress gives itself). ``render_tokens``: give
+        the router each generate request's token ids (KV-event routing), rendered here with a replica's
+        tokenizer and chat template (``render.py``; fetched on first use)."""
+        handles = model if isinstance(model, dict) else {None: model}
+        self.backends = {name: ModelBackend(handle, render_tokens) for name, handle in handles.items()}
+        self.keys = ApiKeys.of(server) if server is not None else ApiKeys()
         self.max_request_body_bytes = max_request_body_bytes  # the replica's limit: never buffer more than it takes
 
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -210,10 +247,33 @@ class OpenAIIngress:
     async def proxy(self, request: Request) -> Response:
         try:
             forwarded = await _forwarded(request, self.max_request_body_bytes)
-        except OpenAIError as e:  # a body over the limit: answered here, as the replica would
+            if len(self.backends) > 1 and forwarded.method == "GET" and forwarded.path in ALL_MODELS_PATHS:
+                return await self._from_every_model(forwarded)
+            backend = self._backend_for(forwarded)
+        except OpenAIError as e:  # a body over the limit, an unknown model: answered here, as the replica would
             return e.response()
-        forwarded = await self._with_tokens(forwarded)
-        stream: DeploymentResponseGenerator = self.model.forward.remote(forwarded)
+        return await self._send(backend, await backend.with_tokens(forwarded))
+
+    def _backend_for(self, forwarded: ForwardedRequest) -> ModelBackend:
+        """The deployment of the model a request names. With several models, a generate or embeddings request
+        that names none is a 400 and an unknown name a 404 (after the API key check the replica would make);
+        any other request goes to the model it names, or the first."""
+        first = next(iter(self.backends.values()))
+        if len(self.backends) == 1:
+            return first
+        readable, name = _model_of(forwarded.body) if forwarded.method == "POST" else (False, None)
+        if name in self.backends:
+            return self.backends[name]
+        if not readable or (name is None and forwarded.path not in MODEL_ROUTES):
+            return first  # a body the replica refuses, /tokenize without a model, ...: the replica's own answer
+        self.keys.authenticate(_header(forwarded, b"authorization"))
+        if name is None:
+            raise bad_request(f"this application serves {len(self.backends)} models: name one in 'model' (GET "
+                              "/v1/models lists them)", param="model")
+        raise model_not_found(name)
+
+    async def _send(self, backend: ModelBackend, forwarded: ForwardedRequest) -> Response:
+        stream: DeploymentResponseGenerator = backend.model.forward.remote(forwarded)
         handed_over = False
         try:
             start = await stream.__anext__()
@@ -234,26 +294,36 @@ class OpenAIIngress:
             if not handed_over:  # cancelled (the client left) or failed: the replica must abort too. Serve
                 stream.cancel()  # propagates a cancelled request to its child calls; this does not rely on it
 
+    async def _from_every_model(self, forwarded: ForwardedRequest) -> Response:
+        """GET /v1/models (every model's entries, in order) or /health (healthy when every model is): the first
+        answer that is not a 200 as it is, else the merged one."""
+        answers = await asyncio.gather(*(self._send(b, forwarded) for b in self.backends.values()))
+        failed = next((a for a in answers if a.status_code != 200), None)
+        if failed is not None or forwarded.path == "/health":
+            return failed or answers[0]
+        data = [entry for answer in answers for entry in json.loads(answer.body)["data"]]
+        return JSONResponse({"object": "list", "data": data})
 
-    async def _with_tokens(self, forwarded: ForwardedRequest) -> ForwardedRequest:
-        """With KV-event routing, a generate request with its prompt token ids; unchanged where they cannot be
-        had (the request then goes by prefix affinity)."""
-        if self.spec_source is None or forwarded.routing_key is None:
-            return forwarded
-        renderer = self.renderer or await self._fetch_renderer()
-        if renderer is None:
-            return forwarded
-        return dataclasses.replace(forwarded, routing_tokens=await renderer.tokens(forwarded.path, forwarded.body))
 
-    async def _fetch_renderer(self) -> PromptRenderer | None:
-        """A replica's tokenizer and template, once; None (tried again next time) if no replica could say."""
-        async with self._renderer_lock:
-            if self.renderer is None:
-                try:
-                    self.renderer = PromptRenderer(*await self.spec_source.render_spec.remote())
-                except Exception as e:
-                    logger.warning("no prompt renderer yet (%s: %s); routing by prefix affinity", type(e).__name__, e)
-            return self.renderer
+ALL_MODELS_PATHS = ("/v1/models", "/health")  # what a multi-model ingress asks every model deployment
+MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+                          "/v1/completions/render", "/v1/chat/completions/render"})  # a request must name a model
+
+
+def _model_of(body: bytes) -> tuple[bool, str | None]:
+    """(whether the body is a JSON object, its ``model`` string or None)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return False, None
+    if not isinstance(data, dict):
+        return False, None
+    model = data.get("model")
+    return True, model if isinstance(model, str) and model else None
+
+
+def _header(forwarded: ForwardedRequest, name: bytes) -> str | None:
+    return next((value.decode("latin-1") for key, value in forwarded.headers if key.lower() == name), None)
 
 
 async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:

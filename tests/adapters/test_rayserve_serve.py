@@ -3,7 +3,8 @@
 One Serve instance on 127.0.0.1 (a free port) runs two applications built by ``rayserve_adapter:app``:
 
 - ``single`` (/single): one ``PagedRuntimeServer`` replica serving the OpenAI routes itself;
-- ``multi`` (/multi): ``PagedRuntimeIngress`` over two ``PagedRuntimeServer`` replicas, routed prefix-aware.
+- ``multi`` (/multi): ``PagedRuntimeIngress`` over two ``PagedRuntimeServer`` replicas, routed prefix-aware;
+- ``two`` (/two): two models (``models=[alpha, beta]``), a model deployment each behind one ingress, with a key.
 
 Both have ``max_num_seqs`` 2 (so ``max_ongoing_requests`` 2 per replica) and ``max_queued_requests`` 1.
 Replica-side counts come from each replica itself: its /metrics (single) or its ``record_routing_stats``
@@ -37,6 +38,7 @@ PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 LONG = {"max_tokens": 1000, "ignore_eos": True, "stream": True}  # seconds of decoding: held until we hang up
 SHUTDOWN_TIMEOUT = 1  # Serve's graceful_shutdown_timeout_s for the model replicas
+API_KEY = "two-models-key"
 
 
 @dataclass
@@ -97,7 +99,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir):
+def cluster(tiny_llama_dir, two_models_dir):
     saved = {key: os.environ.get(key) for key in RAY_ENV}
     os.environ.update(RAY_ENV)
     import ray
@@ -114,6 +116,9 @@ def cluster(tiny_llama_dir):
                   "debug_checks": True, "shutdown_timeout": SHUTDOWN_TIMEOUT}
         serve.run(app(common), name="single", route_prefix="/single")  # returns once the replicas are up
         serve.run(app({**common, "num_replicas": 2}), name="multi", route_prefix="/multi")
+        models = [str(two_models_dir / "alpha"), str(two_models_dir / "beta")]
+        two = {k: v for k, v in common.items() if k not in ("model", "served_model_name")}
+        serve.run(app({**two, "models": models, "api_key": API_KEY}), name="two", route_prefix="/two")
         yield Cluster(f"http://127.0.0.1:{port}")
     finally:
         with contextlib.suppress(Exception):
@@ -163,6 +168,31 @@ def test_openai_sdk_completions_and_chat(cluster, reference, mode):
         client.completions.create(prompt=PROMPT, model=NAME, max_tokens=2000)
     assert bad.value.body["code"] == "context_length_exceeded"
     assert httpx.get(f"{cluster.url}/{mode}/health", timeout=30).status_code == 200
+
+
+def test_two_models_in_one_application_each_answer_by_name(cluster, two_models_dir):
+    from conftest import make_llm
+    from paged_runtime import SamplingParams
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = {name: make_llm(two_models_dir / name, max_model_len=1024, kv_cache_memory=16 * 2**20)
+                .generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text for name in ("alpha", "beta")}
+    assert expected["alpha"] != expected["beta"]
+    client = openai.OpenAI(base_url=f"{cluster.url}/two/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+    for name, text in expected.items():
+        reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.model == name and reply.choices[0].text == text
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found" and str(two_models_dir) not in str(missing.value.body)
+    no_model = httpx.post(f"{cluster.url}/two/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+    for body in ({"model": "gamma", "prompt": PROMPT}, {"prompt": PROMPT}):  # no key: 401 before anything else
+        assert httpx.post(f"{cluster.url}/two/v1/completions", json=body, timeout=30).status_code == 401
+    assert httpx.get(f"{cluster.url}/two/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{cluster.url}/two/health", timeout=30).status_code == 200
 
 
 # ---- prefix-aware routing (runs before the tests that leave stale queue lengths in the ingress's router) ---
