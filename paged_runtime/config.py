@@ -121,13 +121,15 @@ class EngineConfig:
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     runner: str = setting(
-        "auto", "what the model is run as: generate (text generation; auto is generate) or pooling (an embedder: "
-        "POST /v1/embeddings, LLM.embed; prefill only, no sampling); vLLM's older task name embed reads as pooling "
-        "(LLM(task='embed') too)", choices=RUNNERS, parse=parse_runner)
+        "auto", "what the model is run as: generate (text generation) or pooling (an embedder: POST /v1/embeddings, "
+        "LLM.embed; prefill only, no sampling); auto is pooling for an encoder-only model (BertModel, which cannot "
+        "generate), else generate; vLLM's older task name embed reads as pooling (LLM(task='embed') too)",
+        choices=RUNNERS, parse=parse_runner)
     pooling_type: str | None = setting(
-        None, "pooling of a --runner pooling model: LAST (the last prompt token's final hidden state) or MEAN (the "
-        "mean over the prompt's); None: the folder's sentence-transformers config (modules.json + "
-        "1_Pooling/config.json), else LAST", choices=POOLING_TYPES)
+        None, "pooling of a --runner pooling model: LAST (the last prompt token's final hidden state), MEAN (the "
+        "mean over the prompt's) or CLS (the first token's); None: the folder's sentence-transformers config "
+        "(modules.json + 1_Pooling/config.json), else the family's (CLS for BERT, LAST otherwise)",
+        choices=POOLING_TYPES)
     normalize: bool = setting(True, "--runner pooling: L2-normalise embeddings (vLLM's embed pooler)")
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "converted models and compiled kernels", env=(CACHE_ENV,))
     cpu_kernels: bool | None = setting(

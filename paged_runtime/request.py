@@ -67,8 +67,8 @@ class Request:
     # Never start from prefix-cache hits: every prompt position is computed (prompt logprobs need
     # each one's logits). The request's own blocks are still published to the cache.
     skip_prefix_cache: bool = False
-    # A pooling request (prefill only, never samples: finished once its prompt is computed). MEAN pooling
-    # needs every prompt row, so it never starts from prefix-cache hits (``pooling_params``' rule).
+    # A pooling request (prefill only, never samples: finished once its prompt is computed). MEAN and CLS
+    # pooling read rows before the last, so they never start from prefix-cache hits (``pooling_params``' rule).
     pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
@@ -77,7 +77,7 @@ class Request:
         if not self.index:
             self.num_pending_forks = self.params.best_of - 1
         self.skip_prefix_cache = (self.skip_prefix_cache or self.params.prompt_logprobs is not None
-                                  or (self.pooling is not None and self.pooling.pooling_type == "MEAN"))
+                                  or (self.pooling is not None and self.pooling.skips_prefix_cache))
 
     def fork(self, index: int, request_id: str | None = None) -> Request:
         """A sibling at the same point: same tokens and computed count (its blocks are forked

@@ -4,6 +4,9 @@
 - ``cpu``: the compiled CPU kernels for one-token query rows (decodes and
   verifications), PyTorch for prompt chunks; chosen on the CPU with the kernel op set.
 - ``triton``: the Triton kernels; chosen on CUDA.
+- ``encoder``: bidirectional attention within each request and no KV cache; chosen for an encoder-only
+  model (``ModelFamily.encoder_only``) on any device, whatever was requested (the others attend causally
+  over the paged cache).
 
 The model runner builds a step's metadata for one backend from the step's batch,
 and the metadata dispatches to it (``meta.attend``): the model never names a
@@ -17,14 +20,15 @@ from typing import Protocol
 
 import torch
 
-from paged_runtime.attention import cpu_backend, torch_backend, triton_backend
+from paged_runtime.attention import cpu_backend, encoder_backend, torch_backend, triton_backend
 from paged_runtime.batch import StepBatch
 from paged_runtime.kernels import triton_available
 
+ENCODER = "encoder"
 BUILDERS: dict[str, Callable[[StepBatch, torch.device], object]] = {
     "torch": torch_backend.build_metadata, "cpu": cpu_backend.build_metadata,
-    "triton": triton_backend.build_metadata}
-BACKENDS = tuple(BUILDERS)
+    "triton": triton_backend.build_metadata, ENCODER: encoder_backend.build_metadata}
+BACKENDS = ("torch", "cpu", "triton")  # the paged backends, which a config may request (config.ATTENTION_BACKENDS)
 
 
 class AttentionMetadata(Protocol):
@@ -42,9 +46,14 @@ class AttentionMetadata(Protocol):
         ...
 
 
-def select_backend(device: torch.device, cpu_kernels: bool, requested: str | None = None) -> str:
-    """``requested`` if given; else triton on CUDA where it imports, the kernels' backend on the CPU when the
-    model runs the CPU kernel op set (``cpu_kernels``), torch everywhere else."""
+def select_backend(device: torch.device, cpu_kernels: bool, requested: str | None = None,
+                   encoder_only: bool = False) -> str:
+    """``encoder`` for an encoder-only model (the one backend that attends both ways; ``requested`` names a
+    decoder's choice, e.g. from the environment, and is ignored); else ``requested`` if given; else triton on
+    CUDA where it imports, the kernels' backend on the CPU when the model runs the CPU kernel op set
+    (``cpu_kernels``), torch everywhere else."""
+    if encoder_only:
+        return ENCODER
     if requested:
         if requested not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {requested!r}")

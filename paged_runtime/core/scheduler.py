@@ -38,7 +38,12 @@ samples from there, so the prompt's KV is computed once.
 Pooling requests (``Request.pooling``, ``--runner pooling``): prefill only. Their chunks never sample
 (``ScheduledRequest.samples`` is False); one whose whole prompt is scheduled is not scheduled again, and the
 output of the step that computed its last prompt token finishes it (FINISHED_STOPPED), its blocks published to
-the prefix cache first. MEAN pooling skips prefix-cache hits (see ``pooling_params``).
+the prefix cache first. MEAN and CLS pooling skip prefix-cache hits (see ``pooling_params``).
+
+Without chunked prefill (``chunked_prefill=False``: an encoder-only model, whose attention sees the whole
+prompt at once) a waiting request is admitted only with its whole prompt; one that does not fit the step's
+budget left is passed over for this step (those behind it may fit). The engine makes the budget cover
+``max_model_len``, so a request first in line always fits a step of its own.
 
 LongRoPE (``rope_switch``, Phi-3.5 / Phi-4-mini): the model rotates a request by one set of tables while
 it is at most ``rope_switch`` tokens long and by another, throughout, once it is longer (as transformers'
@@ -92,7 +97,7 @@ def _salt_long_rope(request: Request) -> None:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", speculator: Speculator | None = None, max_model_len: int | None = None,
-                 rope_switch: int | None = None) -> None:
+                 rope_switch: int | None = None, chunked_prefill: bool = True) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
@@ -111,6 +116,7 @@ class Scheduler:
         self._failed: list[Request] = []  # finished with FINISHED_ERROR since the last take_failed
         self.rope_switch = rope_switch  # the model's LongRoPE switch length (None: it has none)
         self._in_flight: dict[str, ScheduledRequest] = {}  # items scheduled whose output is not in yet
+        self.chunked_prefill = chunked_prefill  # False: a prompt is admitted whole or not at all
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -223,10 +229,15 @@ class Scheduler:
         return 1
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int, pending: int = 0) -> int:
+        return min(self._num_wanted(request, num_computed, pending), budget)
+
+    @staticmethod
+    def _num_wanted(request: Request, num_computed: int, pending: int = 0) -> int:
+        """The tokens ``request`` would compute next with no budget to stop it."""
         num_new = request.num_tokens + pending - num_computed
         if request.num_pending_forks:
             num_new -= 1  # stop before the last prompt token: that is where the siblings fork
-        return min(num_new, budget)
+        return num_new
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         position = 0  # paused requests (beam search) are skipped, not waited for
@@ -243,6 +254,9 @@ class Scheduler:
             if seats and seats + 1 + request.num_pending_forks > self.max_num_seqs:
                 break  # an oversized group (seats == 0) goes in alone rather than never
             computed, num_computed = self.kv_cache.get_computed_blocks(request)
+            if not self.chunked_prefill and self._num_wanted(request, num_computed) > budget:
+                position += 1  # its whole prompt does not fit what is left of this step
+                continue
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed):
                 if self._preempt_for_priority(request, scheduled):

@@ -20,6 +20,12 @@ take effect within one step (a finished request's tokens from the step in flight
 When step N fails, step N + 1 refuses to run (it was scheduled on outputs that never came) and is
 rolled back (``Scheduler.unschedule``) before step N's requests are failed as above.
 
+An encoder-only model (``ModelFamily.encoder_only``: BERT) attends both ways over each whole prompt and keeps no KV,
+as vLLM runs one: each prompt is computed whole in one step (the scheduler's ``chunked_prefill`` off, and a step
+budget of at least ``max_model_len``, refused below it), and prefix caching is off (no hit could skip a token,
+and no block holds KV worth publishing). Its blocks cost nothing (``worker/kv_budget.py``); they only count
+tokens, so no request is ever preempted.
+
 KV-cache events (``EngineConfig.kv_events_config``; ``core/kv_events.py``): the KV-cache manager records what
 the block pool stores, evicts and clears; every ``step()`` (failed or not) and every ``reset_prefix_cache()``
 ends by handing what was recorded, if anything, to the publisher as one batch. One publisher per engine,
@@ -40,6 +46,7 @@ from paged_runtime.engine.kv_event_publisher import EventPublisher, make_publish
 from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.executor import ExecutorDead, UniProcExecutor, check_parallel, make_executor
+from paged_runtime.models import registry as model_registry
 from paged_runtime.models.loader import resolve_model_path
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.speculator import Speculator
@@ -119,7 +126,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config, model_config)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
+        family = model_registry.family(model_config.architecture)
+        encoder = family.encoder_only  # each prompt whole in one step, no prefix cache (see the module docstring)
+        self.max_num_batched_tokens = _step_budget(config, self.max_model_len, family)
         spec = config.speculative_config
         draft_path, draft_config = self._draft(spec, model_config) if spec and spec.method == "draft_model" else (
             None, None)
@@ -133,12 +142,12 @@ class EngineCore:
         self.num_blocks, self.attention_backend = info.num_blocks, info.attention_backend
         events = config.kv_events_config
         self.kv_events = KVEventRecorder(config.block_size) if events is not None and events.active else None
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window,
-                                       config.prefix_caching_hash_algo, self.kv_events)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching and not encoder,
+                                       window, config.prefix_caching_hash_algo, self.kv_events)
         self.kv_event_publisher = self._publisher(registry)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
-                                   rope_switch=info.rope_switch)
+                                   rope_switch=info.rope_switch, chunked_prefill=not encoder)
         self.num_failed_steps_in_a_row = 0
         self._step_thread = ThreadPoolExecutor(1, "paged-runtime-step") if self._async_scheduling(spec) else None
         self._in_flight: tuple[SchedulerOutput, Future] | None = None  # the step launched, not yet applied
@@ -382,6 +391,22 @@ def kv_sliding_window(model_config: ModelConfig, draft_config: ModelConfig | Non
         logger.info("a draft model shares the block tables: the KV cache keeps blocks outside the sliding window")
         return None
     return max(windows)
+
+
+def _step_budget(config: EngineConfig, max_model_len: int, family: model_registry.ModelFamily) -> int:
+    """Tokens per step: ``max_num_batched_tokens``, by default max(2048, min(max_model_len, 8192)). An encoder-only
+    family computes each prompt in one step, so its budget covers ``max_model_len``: the default grows to it,
+    and a smaller one is refused (as vLLM refuses it without chunked prefill)."""
+    default = max(2048, min(max_model_len, 8192))
+    if not family.encoder_only:
+        return config.max_num_batched_tokens or default
+    if config.max_num_batched_tokens is None:
+        return max(default, max_model_len)
+    if config.max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
+                         f"({max_model_len}): {family.architecture} is an encoder-only model, which computes each "
+                         f"prompt in one step; raise max_num_batched_tokens or lower max_model_len")
+    return config.max_num_batched_tokens
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

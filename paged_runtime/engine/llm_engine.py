@@ -20,7 +20,8 @@ fit the KV cache) ends with ``RequestOutput.error`` and finish_reason "error".
 Pooling (``EngineConfig.runner == "pooling"``): every request is a pooling request (``add_request``'s
 ``pooling``, from ``pooling_params``): prefill only, one finished output whose ``pooling`` holds the vector and
 whose ``outputs`` is empty. A generation request to a pooling engine, or a pooling request to a generating
-one, is a ValueError.
+one, is a ValueError. An encoder-only model pools whatever ``runner`` says but generate (refused): ``config`` is
+then the given one with ``runner="pooling"`` (``pooling_params.resolve_runner``), which the front ends read.
 
 Declared API (what ``LLM`` and ``AsyncEngine`` use): ``config``, ``tokenizer``,
 ``max_model_len``, ``default_sampling``, ``model_root``, ``vocab_size``, ``max_num_seqs``,
@@ -31,6 +32,7 @@ tests and benchmarks that inspect the scheduler; front ends never use it.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -44,11 +46,13 @@ from paged_runtime.engine.core import CoreStats, EngineCore, StepFailure, StepUp
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 from paged_runtime.engine.generation_config import default_sampling, log_defaults
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
+from paged_runtime.models import registry as model_registry
 from paged_runtime.models.config import ModelConfig
 from paged_runtime.models.loader import load_tokenizer, resolve_model_path
 from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.outputs import CompletionOutput, Logprob, PoolingOutput, PositionLogprobs, RequestOutput
-from paged_runtime.pooling_params import PoolingParams, check_runner, folder_pooling_type, request_pooling
+from paged_runtime.pooling_params import (PoolingParams, check_runner, folder_pooling_type, request_pooling,
+                                          resolve_runner)
 from paged_runtime.request import Request, RequestStatus, child_request_id
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 from paged_runtime.worker.model_runner import TokenLogprobs
@@ -91,9 +95,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, registry=None) -> None:
         """``registry``: the Prometheus registry of the engine's own counters (the KV-event publisher's; default:
         the process's)."""
-        self.config = config
         self.model_path = resolve_model_path(config.model, config.cache_dir)
         model_config = ModelConfig.from_folder(self.model_path)
+        family = model_registry.family(model_config.architecture)
+        runner = resolve_runner(config.runner, family.architecture, family.encoder_only)
+        self.config = config = config if runner == config.runner else dataclasses.replace(config, runner=runner)
         self.core = EngineCore(config, self.model_path, model_config, registry)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_path)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path, model_config)
@@ -101,8 +107,9 @@ class LLMEngine:
         self.core.use_grammars(self.grammars)
         self.max_model_len = self.core.max_model_len
         self.hidden_size = model_config.hidden_size
-        # --runner pooling: the configured pooling, else the folder's sentence-transformers config, else LAST
-        self.pooling_type = config.pooling_type or folder_pooling_type(self.model_path) or "LAST"
+        # --runner pooling: the configured pooling, else the folder's sentence-transformers config, else the
+        # family's (LAST for decoders, CLS for BERT, as vLLM)
+        self.pooling_type = config.pooling_type or folder_pooling_type(self.model_path) or family.pooling_type
         self._processor = Processor(self.tokenizer, self.max_model_len, model_config.vocab_size,
                                     config.max_num_seqs, max_stop_strings=config.max_stop_strings,
                                     max_stop_string_length=config.max_stop_string_length,
@@ -201,7 +208,7 @@ class LLMEngine:
         """The KV cache as vLLM's ``cache_config_info`` metric labels it (``metrics.CACHE_CONFIG_LABELS``)."""
         config = self.config
         return {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
-                "enable_prefix_caching": str(config.enable_prefix_caching),
+                "enable_prefix_caching": str(self.core.kv_cache.enable_caching),  # off for an encoder
                 "gpu_memory_utilization": str(config.gpu_memory_utilization),
                 "num_gpu_blocks": str(self.core.num_blocks), "num_cpu_blocks": "None",
                 "prefix_caching_hash_algo": config.prefix_caching_hash_algo}

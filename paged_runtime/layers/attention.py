@@ -2,7 +2,8 @@
 
 The runner allocates each layer's cache and binds it here (``bind_kv_caches``); every step it builds the
 attention metadata for the selected backend, and ``meta.attend`` stores the new K/V and attends. The model
-never names a backend.
+never names a backend. ``EncoderAttention`` (encoder-only models) keeps no cache: ``attention_layers`` does not
+list it, so nothing is allocated or budgeted for it, and it runs on the encoder backend's metadata.
 """
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ class Attention(nn.Module):
         """q [T, H, D], k / v [T, Hkv, D] -> [T, H, D]."""
         return meta.attend(q, k, v, self.kv_cache, self.scale, self.sliding_window, self.logit_softcap,
                            self.kv_scale)
+
+
+class EncoderAttention(nn.Module):
+    """Bidirectional attention within each request of the step and no KV cache (an encoder-only model's; the
+    worker gives such a model the encoder backend, ``attention/encoder_backend.py``)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """q [T, H, D], k / v [T, Hkv, D] -> [T, H, D]."""
+        return meta.attend(q, k, v, None, self.scale)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

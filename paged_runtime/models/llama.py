@@ -32,6 +32,7 @@ from paged_runtime.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from paged_runtime.models.config import ModelConfig, every_layer_slides, windows_from_types
 from paged_runtime.models.gguf_spec import ATTENTION, DENSE_MLP, NORMS, GgufSpec
 from paged_runtime.models.registry import register
+from paged_runtime.models.weights import expected_parameters, load_parameter
 
 
 class LlamaAttention(nn.Module):
@@ -211,38 +212,10 @@ class LlamaForCausalLM(nn.Module):
         if leaf in self.FUSED:
             leaf, shard = self.FUSED[leaf]
             module_path = f"{parent}.{leaf}"
-        try:
-            module = self.get_submodule(module_path)
-            param = getattr(module, param_name)
-        except AttributeError:
-            return None
-        if not isinstance(param, nn.Parameter):
-            return None
-        # A parameter may bring its own loader (a quantized format's tensors are not the layer's plain shape).
-        loader = getattr(param, "weight_loader", None) or getattr(module, "weight_loader", None)
-        if loader is None:
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.copy_(tensor)
-        else:
-            try:
-                loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name}: {e}") from e
-        target = f"{module_path}.{param_name}"
-        return target if shard is None else f"{target}#{shard}"
+        return load_parameter(self, module_path, param_name, tensor, shard, name)
 
     def expected_weights(self) -> set[str]:
-        names = set()
-        for module_path, module in self.named_modules():
-            shards = ("q", "k", "v") if isinstance(module, QKVParallelLinear) else (
-                (0, 1) if isinstance(module, MergedColumnParallelLinear) else (None,))
-            for param_name, _ in module.named_parameters(recurse=False):
-                if module is self.lm_head and self.config.tie_word_embeddings:
-                    continue
-                names.update(f"{module_path}.{param_name}" + ("" if s is None else f"#{s}") for s in shards)
-        return names
+        return expected_parameters(self, skip=self.lm_head if self.config.tie_word_embeddings else None)
 
     def process_weights_after_loading(self) -> None:
         for module in self.modules():

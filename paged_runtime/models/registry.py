@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from paged_runtime.models.config import ModelConfig
 
 # Adding a family: a file in models/ that calls register(...), and its name here.
-FAMILY_MODULES = ("llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "phi3")
+FAMILY_MODULES = ("llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "phi3", "bert")
 
 # The fields read generically from config.json -> the family's reading (ModelConfig.from_dict).
 ConfigHook = Callable[["ModelConfig"], "ModelConfig"]
@@ -38,6 +38,11 @@ class ModelFamily:
     not_prequantized: str | None = None
     gguf: GgufSpec | None = None  # None: no GGUF file converts to it
     module: str = ""  # the file that registered it (orders the registry; see _table)
+    # An encoder-only family (BERT): bidirectional attention over each whole prompt and no KV cache, so it only
+    # pools (pooling_params.resolve_runner) and the engine runs each prompt whole in one step, with no prefix
+    # cache (engine/core.py) and the encoder attention backend (attention/encoder_backend.py).
+    encoder_only: bool = False
+    pooling_type: str = "LAST"  # its pooling without --pooling-type or a sentence-transformers config (vLLM's)
 
 
 # Filled by the family files' imports (append-only); read through _table(), which imports them all first.
@@ -45,13 +50,15 @@ _REGISTERED: dict[str, ModelFamily] = {}
 
 
 def register(architecture: str, model_class: type, *, config_hook: ConfigHook | None = None,
-             not_prequantized: str | None = None, gguf: GgufSpec | None = None) -> ModelFamily:
+             not_prequantized: str | None = None, gguf: GgufSpec | None = None, encoder_only: bool = False,
+             pooling_type: str = "LAST") -> ModelFamily:
     """Record the family serving ``architecture``; ValueError if another already does. Called at the top
     level of a family file (the caller's module is recorded, as ``collections.namedtuple`` records it)."""
     if architecture in _REGISTERED:
         raise ValueError(f"architecture {architecture!r} is registered twice")
     module = sys._getframe(1).f_globals["__name__"]
-    family = ModelFamily(architecture, model_class, config_hook, not_prequantized, gguf, module)
+    family = ModelFamily(architecture, model_class, config_hook, not_prequantized, gguf, module, encoder_only,
+                         pooling_type)
     _REGISTERED[architecture] = family
     return family
 

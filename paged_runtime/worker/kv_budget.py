@@ -52,8 +52,11 @@ def num_kv_blocks(per_block: int, block_size: int, budget: int, max_model_len: i
     where the KV manager releases blocks behind a sliding window).
 
     Raises ValueError when not even one request of ``max_model_len`` fits,
-    naming the largest length that would.
+    naming the largest length that would. A model whose layers keep no KV (``per_block`` 0: an encoder) gets
+    that cap whatever the budget: its blocks only count tokens, and every request can always have them.
     """
+    if per_block == 0:
+        return max_num_seqs * (blocks_per_request or cdiv(max_model_len, block_size))
     num_blocks = budget // per_block
     if blocks_per_request is not None:
         if num_blocks < blocks_per_request:

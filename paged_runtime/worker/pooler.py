@@ -1,11 +1,12 @@
 """The runner's pooler: a pooling request's vector from its prompt's final hidden states (``pooling_params``).
 
 A pooling item is a prompt chunk that never samples. LAST reads the row of the prompt's last token, in the
-chunk that computes it. MEAN adds every chunk's rows (float32) into the request's ``pool_sum``, starting over
-at position 0 (a preempted request is recomputed from there), and divides by the prompt length once the last
-chunk is in; MEAN requests never start from prefix-cache hits, so every prompt row passes through here. The
-step's finished vectors come to the host in one copy; truncation (``dimensions``) and L2 normalisation follow
-there, in float32. No logits are ever computed for a pooling item.
+chunk that computes it. MEAN adds every chunk's rows (float32) into the request's ``pool_partial``, starting
+over at position 0 (a preempted request is recomputed from there), and divides by the prompt length once the
+last chunk is in; CLS keeps the row of position 0 there until the last chunk is in. MEAN and CLS requests never
+start from prefix-cache hits, so the rows they read pass through here. The step's finished vectors come to the
+host in one copy; truncation (``dimensions``) and L2 normalisation follow there, in float32. No logits are ever
+computed for a pooling item.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from paged_runtime.batch import StepItem
 from paged_runtime.utils.device_inputs import to_host
-from paged_runtime.worker.request_states import RequestStates
+from paged_runtime.worker.request_states import CachedRequest, RequestStates
 
 
 def pool_items(items: list[StepItem], states: RequestStates, hidden: torch.Tensor,
@@ -23,27 +24,37 @@ def pool_items(items: list[StepItem], states: RequestStates, hidden: torch.Tenso
     done: dict[int, torch.Tensor] = {}
     for k, s in enumerate(items):
         state = states[s.request_id]
-        pooling = state.pooling
-        if pooling is None:
+        if state.pooling is None:
             continue
         rows = hidden[ends[k] - s.num_scheduled:ends[k]]
-        last = s.start + s.num_new_tokens >= state.num_prompt_tokens
-        if pooling.pooling_type == "MEAN":
-            if s.start == 0:
-                state.pool_sum = None
-            assert state.pool_sum is not None or s.start == 0, "MEAN pooling must see every prompt row"
-            chunk = rows.float().sum(dim=0)
-            state.pool_sum = chunk if state.pool_sum is None else state.pool_sum + chunk
-            if last:
-                done[k] = state.pool_sum / state.num_prompt_tokens
-                state.pool_sum = None
-        elif last:
-            done[k] = rows[-1].float()
+        vector = _pool(state, rows, s.start, s.start + s.num_new_tokens >= state.num_prompt_tokens)
+        if vector is not None:
+            done[k] = vector
     if not done:
         return {}
     vectors, = to_host(torch.stack(list(done.values())))
     vectors = vectors.numpy()
     return {k: finish(vector, states[items[k].request_id].pooling) for k, vector in zip(done, vectors)}
+
+
+def _pool(state: CachedRequest, rows: torch.Tensor, start: int, last: bool) -> torch.Tensor | None:
+    """Take in one chunk's rows (prompt positions ``start ..``); the request's float32 vector once ``last`` (the
+    chunk completes its prompt), else None."""
+    kind = state.pooling.pooling_type
+    if kind == "LAST":
+        return rows[-1].float() if last else None
+    if start == 0:
+        state.pool_partial = None  # a preempted request starts over
+    assert state.pool_partial is not None or start == 0, f"{kind} pooling must see position 0"
+    if kind == "MEAN":
+        chunk = rows.float().sum(dim=0)
+        state.pool_partial = chunk if state.pool_partial is None else state.pool_partial + chunk
+    elif start == 0:  # CLS: the first token's row
+        state.pool_partial = rows[0].float()
+    if not last:
+        return None
+    vector, state.pool_partial = state.pool_partial, None
+    return vector / state.num_prompt_tokens if kind == "MEAN" else vector
 
 
 def finish(vector: np.ndarray, pooling) -> list[float]:

@@ -60,7 +60,9 @@ class CachedRequest:
     grammar: RequestGrammar | None = None  # only when the request's output is constrained
     blocked: torch.Tensor | None = None  # [V] bool on the device, True off allowed_token_ids; None: no such list
     pooling: PoolingParams | None = None  # a pooling request: pooled, never sampled
-    pool_sum: torch.Tensor | None = None  # MEAN pooling: float32 sum of the prompt rows computed so far
+    # MEAN pooling: float32 sum of the prompt rows computed so far; CLS: the first prompt row (float32), kept until
+    # the prompt's last chunk
+    pool_partial: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -25,6 +25,7 @@ from paged_runtime.kernels import cpu as cpu_kernels
 from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
+from paged_runtime.models import registry
 from paged_runtime.models.loader import GGUF_TYPES, load_model
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.worker.kv_budget import bytes_per_block, free_memory, num_kv_blocks
@@ -100,7 +101,8 @@ class Worker:
         self.draft = None if spec.draft_path is None else load_model(spec.draft_path, spec.max_model_len, spec.dtype,
                                                                      self.device, self.ops)
         self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
-                                                config.attention_backend)
+                                                config.attention_backend,
+                                                registry.family(self.model.config.architecture).encoder_only)
         self.runner: ModelRunner | None = None
 
     def _gguf_kernels(self, path: Path):

@@ -1,5 +1,5 @@
 """--runner pooling: a decoder run as an embedder, checked against transformers' final hidden states (after the
-model's final norm, as vLLM pools them) pooled LAST / MEAN and normalised, in float32, within 1e-4.
+model's final norm, as vLLM pools them) pooled LAST / MEAN / CLS and normalised, in float32, within 1e-4.
 
 Also: chunked prefill (a prompt over several steps), prefix-cache hits (LAST uses them, MEAN skips them by
 rule: ``pooling_params``), a batch mixing lengths, Matryoshka dimensions, the sentence-transformers folder
@@ -30,7 +30,7 @@ def hf_model(tiny_llama_dir):
 def hf_embedding(model, ids: list[int], pooling: str, normalize: bool = True, dimensions: int | None = None):
     with torch.no_grad():
         hidden = model(torch.tensor([ids])).last_hidden_state[0].float()  # after the final norm
-    vector = hidden[-1] if pooling == "LAST" else hidden.mean(dim=0)
+    vector = {"LAST": hidden[-1], "CLS": hidden[0]}.get(pooling, hidden.mean(dim=0))
     vector = vector[:dimensions] if dimensions else vector
     return (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).numpy()
 
@@ -118,6 +118,17 @@ def test_mean_pooling_skips_prefix_cache_hits_but_stores_its_blocks(mean_llm, hf
     assert len(kv.pool.cached) >= 5  # but its full blocks were published
     np.testing.assert_allclose(second.outputs.embedding, first.outputs.embedding, atol=1e-6, rtol=0)
     np.testing.assert_allclose(second.outputs.embedding, hf_embedding(hf_model, ids, "MEAN"), atol=TOL, rtol=0)
+
+
+def test_cls_pooling_keeps_the_first_chunks_row_and_skips_prefix_cache_hits(tiny_llama_dir, hf_model):
+    llm = make_llm(tiny_llama_dir, runner="pooling", pooling_type="CLS", max_model_len=256, max_num_batched_tokens=32)
+    ids, = prompts(7, [90])  # three chunks: the first one's first row is the vector
+    kv = llm.engine.core.kv_cache
+    first, second = (llm.embed([ids], use_tqdm=False)[0] for _ in range(2))
+    assert kv.num_hit_tokens == 0 and len(kv.pool.cached) >= 5  # its blocks are published, never read back
+    for out in (first, second):
+        np.testing.assert_allclose(out.outputs.embedding, hf_embedding(hf_model, ids, "CLS"), atol=TOL, rtol=0)
+    assert_idle(llm)
 
 
 def test_sentence_transformers_config_picks_the_pooling(tiny_llama_dir, tmp_path, hf_model):

@@ -124,7 +124,7 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_list(tiny_qwe
     assert str(info.value) == ("unsupported architecture 'GPT2LMHeadModel'; supported: "
                                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                                "Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-                               "Phi3ForCausalLM")
+                               "Phi3ForCausalLM, BertModel")
 
 
 def test_a_published_qwen3_config_reads_as_its_shape():

@@ -153,10 +153,11 @@ def test_the_schema_modules_import_no_torch():
 def test_the_implementations_serve_exactly_the_declared_choices():
     """Each choice is declared once, in the settings; the modules that implement them cover exactly those."""
     from paged_runtime import config
-    from paged_runtime.attention import BUILDERS
+    from paged_runtime.attention import BACKENDS, BUILDERS, ENCODER
     from paged_runtime.core.scheduler import SCHEDULING_POLICIES
     from paged_runtime.kernels.kv_quant import CACHE_DTYPES
     from paged_runtime.layers.quantization import NAMES
     assert set(SCHEDULING_POLICIES) == set(config.SCHEDULING_POLICIES)
-    assert set(BUILDERS) == set(config.ATTENTION_BACKENDS)
+    # encoder: not a choice, the backend of every encoder-only model (attention/__init__.py's select_backend)
+    assert set(BACKENDS) == set(config.ATTENTION_BACKENDS) and set(BUILDERS) == {*BACKENDS, ENCODER}
     assert tuple(CACHE_DTYPES) == config.KV_CACHE_DTYPES and NAMES == config.QUANTIZATIONS
