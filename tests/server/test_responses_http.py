@@ -276,6 +276,41 @@ def test_an_owner_never_reads_another_owners_responses(server, client, other_cli
     assert ApiKeys().authenticate(None).owner is None
 
 
+def test_input_items_list_the_request_input_with_ids_in_pages(server, client, other_client):
+    items = [{"role": "system", "content": "Be brief."}, {"type": "message", "role": "user", "content": "One."},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two."}]},
+             {"role": "user", "content": "Three?"}]
+    response = client.responses.create(model=NAME, input=items, max_output_tokens=2)
+    page = client.responses.input_items.list(response.id, order="asc")
+    assert [(i.role, [c.text for c in i.content]) for i in page.data] == [
+        ("system", ["Be brief."]), ("user", ["One."]), ("assistant", ["Two."]), ("user", ["Three?"])]
+    assert all(i.type == "message" and i.id.startswith("msg_") and i.status == "completed" for i in page.data)
+    ids = [i.id for i in page.data]
+    assert len(set(ids)) == 4 and not page.has_more
+    assert [i.id for i in client.responses.input_items.list(response.id).data] == ids[::-1]  # desc by default
+    body = get_json(server, f"/v1/responses/{response.id}/input_items?order=asc&limit=2&after={ids[0]}")
+    assert ([i["id"] for i in body["data"]], body["first_id"], body["last_id"], body["has_more"]) == (
+        ids[1:3], ids[1], ids[2], True)
+    body = get_json(server, f"/v1/responses/{response.id}/input_items?order=asc&limit=2&before={ids[3]}")
+    assert ([i["id"] for i in body["data"]], body["has_more"]) == (ids[1:3], True)
+    text = client.responses.create(model=NAME, input="Just text.", max_output_tokens=2)
+    only = client.responses.input_items.list(text.id).data
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in only] == [("user", "input_text", "Just text.")]
+    with pytest.raises(openai.NotFoundError):
+        other_client.responses.input_items.list(response.id)
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("limit=abc", "limit"), ("order=up", "order"),
+                         ("after=msg_x", "after")):
+        answer = httpx.get(f"{server.url}/v1/responses/{response.id}/input_items?{query}",
+                           headers={"Authorization": f"Bearer {KEY_A}"}, timeout=30)
+        assert (answer.status_code, answer.json()["error"]["param"]) == (400, param), query
+
+
+def get_json(server, path: str) -> dict:
+    response = httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_delete_forgets_a_response(client):
     response = client.responses.create(model=NAME, input="Forget me.", max_output_tokens=4)
     client.responses.delete(response.id)

@@ -9,7 +9,7 @@ no exception handlers of ours.
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (a ``--runner pooling`` model
 only; a pooling model answers the generation routes with a 400 naming the route, and a generative model
 /v1/embeddings), POST /v1/responses (with GET, DELETE and
-POST .../cancel of /v1/responses/{id}: ``serving_responses.py``), their two
+POST .../cancel of /v1/responses/{id} and GET .../input_items: ``serving_responses.py``), their two
 ``/render`` twins (vLLM's: the exact prompt token ids and sampling
 parameters a generate request would submit, nothing generated), GET
 /v1/models, POST /tokenize, POST /detokenize, POST /reset_prefix_cache
@@ -300,6 +300,11 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
             raise bad_request("streaming a stored response is not supported: GET it without stream",
                               param="stream", code="unsupported_parameter")
         return stored.retrieve(tenant.owner, response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, tenant: Tenant = Depends(authenticate), limit: int = 20,
+                               order: str = "desc", after: str | None = None, before: str | None = None) -> dict:
+        return stored.input_items(tenant.owner, response_id, limit, order, after, before)
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, tenant: Tenant = Depends(authenticate)) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
@@ -84,6 +85,8 @@ def from_exception(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, ValidationError):
         return from_validation_error(e)
+    if isinstance(e, RequestValidationError):  # a query or path parameter of the wrong type
+        return _invalid(e.errors()[0], skip=1)  # its loc starts with where it came from: ("query", "limit")
     if isinstance(e, EngineOverloadedError):
         return OpenAIError(503, str(e), type="server_overloaded", code="server_overloaded",
                            headers={"Retry-After": str(e.retry_after)})
@@ -108,8 +111,12 @@ def from_parameter_error(e: ParameterError, param: str | None = None) -> OpenAIE
 
 def from_validation_error(e: ValidationError) -> OpenAIError:
     """The first problem pydantic found, with its field path as ``param``."""
-    error = e.errors(include_url=False)[0]
-    loc = _field_path(error["loc"])
+    return _invalid(e.errors(include_url=False)[0])
+
+
+def _invalid(error: dict, skip: int = 0) -> OpenAIError:
+    """A 400 for one of pydantic's error entries, naming the field at its ``loc`` (less ``skip`` leading parts)."""
+    loc = _field_path(tuple(error["loc"])[skip:])
     if error["type"] == "missing":
         return bad_request(f"Missing required parameter: '{loc}'.", param=loc, code="missing_required_parameter")
     if not loc:

@@ -3,8 +3,8 @@
 In memory, one store per router, keyed by (owner, response id): an owner (the caller's API key, see
 ``access.Tenant.owner``) never finds another owner's responses, whatever ids it guesses. Bounded by
 count and by bytes; the least recently used entry (stored, read or continued) goes first. An entry's
-size is its JSON text: the response body and the conversation it ends, so a long chain of responses
-costs what its text costs, each entry holding its whole conversation (an evicted ancestor never
+size is its JSON text: the response body, the conversation it ends and the request's input items, so a
+long chain of responses costs what its text costs, each entry holding its whole conversation (an evicted ancestor never
 breaks a chain). An entry larger than the whole byte budget is not kept.
 
 Used on the event loop only (no lock).
@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     body: dict  # the Response object, as GET returns it
     messages: list[dict]  # the conversation through this response, as chat messages (its instructions excepted)
-    size: int  # entry_size(body, messages)
+    size: int  # entry_size(body, messages, input_items)
+    input_items: list[dict] = field(default_factory=list)  # the request's input, as GET .../input_items lists it
 
 
-def entry_size(body: dict, messages: list[dict]) -> int:
-    """Bytes an entry counts for: the UTF-8 JSON text (compact) of ``[body, messages]``."""
-    text = json.dumps([body, messages], ensure_ascii=False, separators=(",", ":"))
-    return len(text.encode("utf-8", "surrogatepass"))
+def entry_size(body: dict, messages: list[dict], input_items: list[dict] | None = None) -> int:
+    """Bytes an entry counts for: the UTF-8 JSON text (compact) of ``[body, messages]``, plus that of its input
+    items when it has any."""
+    return _json_bytes([body, messages]) + (_json_bytes(input_items) if input_items else 0)
+
+
+def _json_bytes(value: object) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
 
 
 class ResponseStore:
@@ -43,14 +48,15 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, owner: str | None, response_id: str, body: dict, messages: list[dict]) -> bool:
+    def put(self, owner: str | None, response_id: str, body: dict, messages: list[dict],
+            input_items: list[dict] | None = None) -> bool:
         """Stores (or replaces) an entry as the most recent, evicting the least recent ones beyond the bounds;
         False when it cannot be kept at all (larger than the byte budget, or storing is off)."""
         self.delete(owner, response_id)
-        size = entry_size(body, messages)
+        size = entry_size(body, messages, input_items)
         if self.max_entries == 0 or size > self.max_bytes:
             return False
-        self._entries[(owner, response_id)] = StoredResponse(body, messages, size)
+        self._entries[(owner, response_id)] = StoredResponse(body, messages, size, list(input_items or ()))
         self.num_bytes += size
         while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)

@@ -50,6 +50,8 @@ from paged_runtime.outputs import RequestOutput
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
 FINISHED = ("completed", "incomplete")  # a response whose conversation can be continued
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+MAX_LIST_LIMIT = 100  # OpenAI's bound on a list's page
 
 
 def new_response_id(prefix: str) -> str:
@@ -92,6 +94,24 @@ def conversation(items: list[Any], where: str = "input") -> tuple[list[dict], li
                               param=f"{at}.type")
         origins.append(at)
     return messages, origins
+
+
+def listed_input(req: ResponsesRequest) -> list[dict]:
+    """The request's input as GET /v1/responses/{id}/input_items lists it: each item with an id of its kind and a
+    message's text as content parts (input_text; an assistant's, output_text)."""
+    items = [] if req.input is None else req.input if isinstance(req.input, list) else [req.input]
+    return [_listed(item if isinstance(item, dict) else {"role": "user", "content": item}) for item in items]
+
+
+def _listed(item: dict) -> dict:
+    kind = item.get("type", "message")
+    listed = {"id": new_response_id(ITEM_ID_PREFIXES.get(kind, "item")), "type": kind, **item}
+    if kind == "message":
+        listed.setdefault("status", "completed")
+        if isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": item["content"]}]
+    return listed
 
 
 def _string(item: dict, key: str, at: str) -> str:
@@ -310,11 +330,33 @@ class StoredResponses:
         if stopped is not None:
             task, run = stopped
             await asyncio.gather(task, return_exceptions=True)
-            self.store.put(owner, response_id, {**run.body, "status": "cancelled", "output": []}, [])
+            self.store.put(owner, response_id, {**run.body, "status": "cancelled", "output": []}, [],
+                           run.input_items)
         body = self.stored(owner, response_id, "response_id").body
         if not body.get("background"):
             raise bad_request("Cannot cancel a synchronous response.", param="response_id")
         return body
+
+    def input_items(self, owner: str | None, response_id: str, limit: int = 20, order: str = "desc",
+                    after: str | None = None, before: str | None = None) -> dict:
+        """A page of a stored response's input items, as OpenAI lists them: ``order`` asc or desc, the items after
+        (or before) the item ``after`` (``before``) in that order, at most ``limit`` (1 to 100)."""
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise bad_request(f"limit must be between 1 and {MAX_LIST_LIMIT}, got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
+        items = self.stored(owner, response_id, "response_id").input_items
+        items = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in items]
+        for cursor, param in ((after, "after"), (before, "before")):
+            if cursor is not None and cursor not in ids:
+                raise bad_request(f"no input item {cursor!r} in response {response_id!r}", param=param)
+        start = ids.index(after) + 1 if after is not None else 0
+        stop = ids.index(before) if before is not None else len(items)
+        page = items[start:stop][:limit] if before is None else items[start:stop][-limit:]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": (start + limit < stop) if before is None else (stop - start > limit)}
 
     def stored(self, owner: str | None, response_id: str, param: str) -> StoredResponse:
         entry = self.store.get(owner, response_id)
@@ -417,7 +459,7 @@ class ResponsesServing(ChatServing):
         """Stores the queued response and generates it in a task of its own (not the HTTP request's)."""
         key = (run.owner, run.body["id"])
         run.body = {**run.body, "status": "queued"}
-        self.responses.store.put(run.owner, run.body["id"], run.body, [])
+        self.responses.store.put(run.owner, run.body["id"], run.body, [], run.input_items)
         task = asyncio.get_running_loop().create_task(self._background_task(run))
         self.responses.running[key] = (task, run)
         task.add_done_callback(lambda _: self.responses.running.pop(key, None))
@@ -435,6 +477,7 @@ class _Run:
     def __init__(self, serving: ResponsesServing, owner: str | None, req: ResponsesRequest, body: dict,
                  conversation_so_far: list[dict], text, stream) -> None:
         self.serving, self.owner, self.req, self.body = serving, owner, req, body
+        self.input_items = listed_input(req)
         self.conversation, self.text, self.stream = conversation_so_far, text, stream
         self.output = OutputItems()
         self.num_output_tokens = self.num_reasoning_tokens = 0
@@ -501,7 +544,8 @@ class _Run:
         if self.req.store is False:
             return
         output_messages, _ = conversation(self.body["output"], "output")
-        self.serving.responses.store.put(self.owner, self.body["id"], self.body, self.conversation + output_messages)
+        self.serving.responses.store.put(self.owner, self.body["id"], self.body, self.conversation + output_messages,
+                                         self.input_items)
 
 
 def not_found(response_id: str, param: str) -> OpenAIError:
