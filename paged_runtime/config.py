@@ -25,7 +25,7 @@ DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 # --quantization: weights quantized at load, or a checkpoint's own format (layers/quantization maps each name)
 QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors")
 # --kv-cache-dtype: the paged cache's elements (kernels/kv_quant.CACHE_DTYPES maps each name)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # core/scheduler.py orders by each
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # attention/__init__.py's BUILDERS
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # entrypoints/openai/tool_parsers.TOOL_PARSERS
@@ -65,8 +65,8 @@ class EngineConfig:
     served_model_name: list[str] | None = setting(
         None, "name(s) clients use for the model; the first one labels the metrics; None: the model path",
         group="server")
-    dtype: str = setting("auto", "activations' dtype: auto takes the checkpoint's (bfloat16 for float16 on the CPU)",
-                         choices=DTYPES)
+    dtype: str = setting("auto", "activations' dtype: auto takes the checkpoint's (bfloat16 for float16 on the CPU; "
+                         "float32 for a GGUF served as its blocks on the CPU)", choices=DTYPES)
     quantization: str | None = setting(
         None, "quantize the weights at load: int8 (W8A16, per output channel), int4 (W4A16, groups of 128, "
         "asymmetric) or fp8 (W8A8 float8_e4m3fn, per channel, activations per token, through torch._scaled_mm). "
@@ -74,8 +74,9 @@ class EngineConfig:
         "gptq, awq, compressed-tensors (W8A16, W4A16, FP8); naming another format is an error; none dequantizes "
         "a .gguf", choices=QUANTIZATIONS, aliases=("-q",))
     kv_cache_dtype: str = setting(
-        "auto", "the paged KV cache's elements: auto (the model's dtype), fp8 / fp8_e4m3 (float8_e4m3fn, per-tensor "
-        "scales 1.0), int8 (per token and head scales): ~2x the tokens per byte", choices=KV_CACHE_DTYPES)
+        "auto", "the paged KV cache's elements: auto (the model's dtype), bfloat16 (under float32 activations: half "
+        "the bytes), fp8 / fp8_e4m3 (float8_e4m3fn, per-tensor scales 1.0), int8 (per token and head scales): ~2x "
+        "the tokens per byte", choices=KV_CACHE_DTYPES)
     max_model_len: int | None = setting(None, "longest prompt + output in tokens; None: the model's own",
                                         ge=2, hf_aliases=("--max_model_len", "--max_length"))
     max_num_seqs: int = setting(256, "most requests in one step", ge=1)

@@ -150,14 +150,12 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
                     softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]. An 8-bit cache
-    (``kv_scale``: see ``kernels.kv_quant``) is quantized on store and read back dequantized by every
-    query, a whole prompt's included (as the other backends, which always read the cache)."""
-    quantized = kv_quant.is_quantized(kv_cache)
-    if quantized:
-        kv_quant.store(k, v, kv_cache, kv_scale, meta.slot_mapping)
-    else:
-        kv_cache.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
+    """q: [T, H, D]; k, v: [T, Hkv, D]. Stores k/v into the cache, returns [T, H, D]. A cache in another dtype
+    than q's (8-bit with its ``kv_scale``, or bfloat16 under float32: see ``kernels.kv_quant``) is converted on
+    store and read back by every query, a whole prompt's included (as the other backends, which always read
+    the cache)."""
+    kv_quant.store(k, v, kv_cache, kv_scale, meta.slot_mapping)
+    converted = kv_cache.dtype != q.dtype
     read_scale, fp8 = kv_scale, kv_cache.dtype == torch.float8_e4m3fn
     if fp8:
         # Per-tensor scales factor out of attention: q . (k_scale k) = (k_scale q) . k, and the output is
@@ -171,7 +169,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         mask = chunk.window_mask(window, q.device)
-        if chunk.context_slots is None and not quantized:
+        if chunk.context_slots is None and not converted:
             out[rows] = _attend(q[rows], k[rows], v[rows], mask, scale, softcap)
         else:
             slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots

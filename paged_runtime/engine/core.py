@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paged_runtime.config import EngineConfig
-from paged_runtime.utils.devices import resolve_device, resolve_dtype
+from paged_runtime.utils.devices import resolve_device, resolve_precision
 from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
 from paged_runtime.core.kv_events import KVEventRecorder
 from paged_runtime.engine.kv_event_publisher import EventPublisher, make_publisher
@@ -47,7 +47,7 @@ from paged_runtime.core.scheduler import Scheduler
 from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.executor import ExecutorDead, UniProcExecutor, check_parallel, make_executor
 from paged_runtime.models import registry as model_registry
-from paged_runtime.models.loader import resolve_model_path
+from paged_runtime.models.loader import resolve_model_path, serves_gguf_blocks
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.structured_output.backend import GrammarBackend
@@ -124,7 +124,9 @@ class EngineCore:
         """``registry``: the Prometheus registry of the KV-event publisher's counter (default: the process's)."""
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        self.precision = resolve_precision(config.dtype, config.kv_cache_dtype, model_config.torch_dtype, self.device,
+                                           serves_gguf_blocks(model_path, config.quantization))
+        self.dtype = self.precision.dtype
         self.max_model_len = _max_model_len(config, model_config)
         family = model_registry.family(model_config.architecture)
         encoder = family.encoder_only  # each prompt whole in one step, no prefix cache (see the module docstring)
@@ -137,7 +139,8 @@ class EngineCore:
                                                                 self.max_num_batched_tokens)
         check_parallel(config, model_config, self.device)
         self.executor = make_executor(WorkerSpec(config, model_path, self.dtype, self.max_model_len, draft_path,
-                                                 per_request, spec.num_speculative_tokens if spec else 0))
+                                                 per_request, spec.num_speculative_tokens if spec else 0,
+                                                 self.precision.kv_cache_dtype))
         info = self.executor.info
         self.num_blocks, self.attention_backend = info.num_blocks, info.attention_backend
         events = config.kv_events_config
@@ -153,8 +156,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, Future] | None = None  # the step launched, not yet applied
         self._failed_step = False  # the step thread refuses queued steps until the failure is contained
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * (spec.num_speculative_tokens if spec else 0))
-        logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d, %s",
-                    model_config.architecture, self.dtype, self.num_blocks, config.block_size, self.max_model_len,
+        logger.info("engine ready: %s %s (KV cache %s), %d KV blocks of %d tokens, max_model_len %d, %s",
+                    model_config.architecture, self.dtype, self.precision.kv_cache_dtype, self.num_blocks,
+                    config.block_size, self.max_model_len,
                     f"{info.ops_name} ops, {self.attention_backend} attention"
                     + (f", {config.tensor_parallel_size} x {config.pipeline_parallel_size} ranks (tensor x pipeline)"
                        if config.world_size > 1 else "")

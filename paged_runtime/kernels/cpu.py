@@ -58,8 +58,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# The cache's element kind (cpu_ops.c's KV_MODEL / KV_FP8 / KV_INT8): an 8-bit cache (kernels/kv_quant.py).
-KV_DTYPES = {torch.float8_e4m3fn: 1, torch.int8: 2}
+# The element kind of a cache in another dtype than the model's (cpu_ops.c's KV_FP8 / KV_INT8 / KV_BF16, beside
+# KV_MODEL = 0: the model's own): 8-bit, or bfloat16 under float32 activations (kernels/kv_quant.py).
+KV_DTYPES = {torch.float8_e4m3fn: 1, torch.int8: 2, torch.bfloat16: 3}
+SCALED_KV = (torch.float8_e4m3fn, torch.int8)  # the caches read with their kv_scale
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "PAGED_RUNTIME_CPU_ISA"
 # The instruction sets the library can be built for: -march, and the /proc/cpuinfo flags the build needs.
@@ -424,7 +426,7 @@ def cpu_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
     """One query token per row of q ([B, H, D], rows may be strided) over its paged context: its last
     ``window`` tokens when window > 0 (the blocks before them are not read), scores soft-capped at
     ``softcap`` when > 0 (``c * tanh(s / c)`` of the scaled score). An 8-bit cache (fp8 / int8) is read
-    dequantized with ``kv_scale`` (``kernels.kv_quant``)."""
+    dequantized with ``kv_scale``, a bfloat16 one under float32 q widened (``kernels.kv_quant``)."""
     b, heads, dim = q.shape
     if q.stride(1) != dim or q.stride(2) != 1:
         raise ValueError("q's heads must be contiguous within a row")
@@ -432,7 +434,7 @@ def cpu_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
     rc = _lib().pr_paged_decode_attention(
         _p(q), q.stride(0), _p(kv_cache), _p(block_tables), block_tables.stride(0), _p(context_lens), b, heads,
         kv_cache.shape[2], dim, block_size, window, scale, softcap, _p(out), DTYPES[q.dtype],
-        *_kv_args(kv_cache, kv_scale))
+        *_kv_args(kv_cache, kv_scale, q.dtype))
     if rc:
         raise MemoryError("pr_paged_decode_attention could not allocate its score buffers")
     return out
@@ -444,6 +446,8 @@ def cpu_kv_gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: 
                   dtype: torch.dtype) -> torch.Tensor:
     """Slots ``slots`` of an 8-bit cache dequantized to ``dtype`` in one pass: ``kv_quant.gather``'s result
     (fp8 with ``kv_scale`` None: the values unscaled)."""
+    if kv_cache.dtype not in SCALED_KV:
+        raise ValueError(f"cpu_kv_gather reads an 8-bit cache, not {kv_cache.dtype}")
     kv_dt = KV_DTYPES[kv_cache.dtype]
     if kv_dt == 2 and kv_scale is None:
         raise ValueError("an int8 KV cache needs its kv_scale")
@@ -454,12 +458,24 @@ def cpu_kv_gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: 
     return out
 
 
-def _kv_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[int, int | None]:
+def _kv_dt(kv_cache: torch.Tensor, dtype: torch.dtype) -> int:
+    """The C kernels' kind of a cache under ``dtype`` activations: 0 the model's own dtype, else ``KV_DTYPES``'
+    (a bfloat16 cache only under float32); ValueError for a cache they cannot read under ``dtype``."""
+    if kv_cache.dtype == dtype:
+        return 0
+    kv_dt = KV_DTYPES.get(kv_cache.dtype)
+    if kv_dt is None or (kv_cache.dtype == torch.bfloat16 and dtype != torch.float32):
+        raise ValueError(f"the CPU kernels read no {kv_cache.dtype} KV cache under {dtype} activations")
+    return kv_dt
+
+
+def _kv_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[int, int | None]:
     """(kv_dt, kv_scale pointer) for the C kernels; an 8-bit cache must come with its float32 scales."""
-    kv_dt = KV_DTYPES.get(kv_cache.dtype, 0)
-    if kv_dt and (kv_scale is None or kv_scale.dtype != torch.float32 or not kv_scale.is_contiguous()):
+    kv_dt = _kv_dt(kv_cache, dtype)
+    scaled = kv_cache.dtype in SCALED_KV
+    if scaled and (kv_scale is None or kv_scale.dtype != torch.float32 or not kv_scale.is_contiguous()):
         raise ValueError(f"a {kv_cache.dtype} KV cache needs its contiguous float32 kv_scale")
-    return kv_dt, _p(kv_scale) if kv_dt else None
+    return kv_dt, _p(kv_scale) if scaled else None
 
 
 def _kinds() -> dict[str, int]:
@@ -509,11 +525,11 @@ def _layer_weights(d, dtype: torch.dtype) -> _LayerWeights:
     return _LayerWeights(*norms, _p(bias), *matrices, hidden, intermediate, activation, d.eps)
 
 
-def _stack_layer(d, weights: _LayerWeights) -> _StackLayer:
+def _stack_layer(d, weights: _LayerWeights, dtype: torch.dtype) -> _StackLayer:
     if d.cos.dtype != torch.float32 or not (d.cos.is_contiguous() and d.sin.is_contiguous()) \
             or d.cos.shape[-1] != d.rot:
         raise ValueError(f"a layer's RoPE tables must be contiguous float32 [positions, {d.rot}]")
-    _kv_args(d.kv_cache, d.kv_scale)  # an 8-bit cache comes with its scales
+    _kv_args(d.kv_cache, d.kv_scale, dtype)  # a cache the kernels read, an 8-bit one with its scales
     return _StackLayer(ctypes.pointer(weights), _p(d.kv_cache), _p(d.kv_scale), d.window or 0, d.scale,
                        d.softcap or 0., _p(d.cos), _p(d.sin), d.rot)
 
@@ -530,10 +546,10 @@ class DecodeStack:
         if any((d.heads, d.kv_heads, d.head_dim) != (first.heads, first.kv_heads, first.head_dim) for d in layers):
             raise ValueError("a decode stack's layers share their head counts and head size")
         self.dtype, self.heads, self.kv_heads, self.dim = dtype, first.heads, first.kv_heads, first.head_dim
-        self.kv_dt = KV_DTYPES.get(first.kv_cache.dtype, 0)
+        self.kv_dt = _kv_dt(first.kv_cache, dtype)
         self.layers = layers  # keeps every tensor the array points into alive
         self.weights = [_layer_weights(d, dtype) for d in layers]  # the structs the array's pointers name
-        self.array = (_StackLayer * len(layers))(*(_stack_layer(d, w) for d, w in zip(layers, self.weights)))
+        self.array = (_StackLayer * len(layers))(*(_stack_layer(d, w, dtype) for d, w in zip(layers, self.weights)))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> None:

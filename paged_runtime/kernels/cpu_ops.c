@@ -466,10 +466,12 @@ void pr_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int dt) {
 /* ---- paged KV store and decode attention ---------------------------------------------------- */
 
 /* Cache layout [slots, 2, kv_heads, dim]: a slot's key at [slot, 0], its value at [slot, 1]. Its elements
- * are the model's dtype (KV_MODEL) or 8 bits (kernels/kv_quant.py: the contract, with torch's reference):
- * KV_FP8 float8_e4m3fn with per-tensor scales kv_scale[0] (keys), [1] (values); KV_INT8 int8 with a float32
- * scale per slot, key/value and KV head, kv_scale[(slot * 2 + kv) * kv_heads + head]. */
-enum { KV_MODEL = 0, KV_FP8 = 1, KV_INT8 = 2 };
+ * are the model's dtype (KV_MODEL), 8 bits or bfloat16 under fp32 activations (kernels/kv_quant.py: the
+ * contract, with torch's reference): KV_FP8 float8_e4m3fn with per-tensor scales kv_scale[0] (keys), [1]
+ * (values); KV_INT8 int8 with a float32 scale per slot, key/value and KV head,
+ * kv_scale[(slot * 2 + kv) * kv_heads + head]; KV_BF16 (dt F32 only) stored rounded to nearest even, read
+ * widened (exact), no scales. */
+enum { KV_MODEL = 0, KV_FP8 = 1, KV_INT8 = 2, KV_BF16 = 3 };
 #define FP8_MAX 448.f /* e4m3fn's largest finite */
 
 static inline float e4m3_to_f32(uint8_t b) {
@@ -533,8 +535,8 @@ typedef struct {
     int64_t window; /* > 0: a row reads only its last `window` tokens (sliding window); 0: all */
     float scale;
     float softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax */
-    int kv_dt;       /* KV_MODEL, KV_FP8 or KV_INT8 (see store_kv_row) */
-    float *kv_scale; /* an 8-bit cache's scales; NULL for KV_MODEL */
+    int kv_dt;       /* KV_MODEL, KV_FP8, KV_INT8 or KV_BF16 (see store_kv_row) */
+    float *kv_scale; /* an 8-bit cache's scales; NULL for KV_MODEL and KV_BF16 */
 } Paged;
 
 /* The first context position row b reads: the start of its window, or 0. */
@@ -550,13 +552,15 @@ static inline SlotWalk walk_from(const Paged *P, const int64_t *table, int64_t f
 
 static inline float cap(const Paged *P, float s) { return P->softcap > 0.f ? P->softcap * tanhf(s / P->softcap) : s; }
 
-/* Row kv (0 key, 1 value) of KV head g at slot: the cache's own row (read with *row_dt = dt), or an 8-bit
- * one dequantized into tmp (dim floats, each rounded to dt as torch's gather does; *row_dt = F32). */
+/* Row kv (0 key, 1 value) of KV head g at slot: the cache's own row (read with *row_dt = dt, or BF16 for a
+ * KV_BF16 cache), or an 8-bit one dequantized into tmp (dim floats, each rounded to dt as torch's gather
+ * does; *row_dt = F32). */
 static inline const void *kv_row(const Paged *P, const void *kv_cache, int64_t slot, int kv, int64_t g, int dt,
                                  float *tmp, int *row_dt) {
     int64_t dim = P->dim, at = (slot * 2 + kv) * P->kv_heads * dim + g * dim;
-    *row_dt = dt;
-    if (P->kv_dt == KV_MODEL) return (const char *)kv_cache + at * (dt == BF16 ? 2 : 4);
+    *row_dt = P->kv_dt == KV_BF16 ? BF16 : dt;
+    if (P->kv_dt == KV_MODEL || P->kv_dt == KV_BF16)
+        return (const char *)kv_cache + at * (*row_dt == BF16 ? 2 : 4);
     *row_dt = F32;
     if (P->kv_dt == KV_FP8) {
         const uint8_t *src = (const uint8_t *)kv_cache + at;
@@ -594,12 +598,20 @@ void pr_kv_gather(const void *kv_cache, const float *kv_scale, const int64_t *sl
     }
 }
 
-/* One token's k and v (dt, [kv_heads, dim] each) into slot: copied, or quantized as kv_quant.py. */
+/* One token's k and v (dt, [kv_heads, dim] each) into slot: copied, rounded to bfloat16 or quantized as
+ * kv_quant.py. */
 static void store_kv_row(const Paged *P, const void *k, const void *v, void *kv_cache, int64_t slot, int dt) {
     int64_t n = P->kv_heads * P->dim, elem = dt == BF16 ? 2 : 4;
     if (P->kv_dt == KV_MODEL) {
         memcpy((char *)kv_cache + slot * 2 * n * elem, k, n * elem);
         memcpy((char *)kv_cache + (slot * 2 + 1) * n * elem, v, n * elem);
+        return;
+    }
+    if (P->kv_dt == KV_BF16) {
+        for (int64_t i = 0; i < n; i++) {
+            store(kv_cache, slot * 2 * n + i, load(k, i, dt), BF16);
+            store(kv_cache, (slot * 2 + 1) * n + i, load(v, i, dt), BF16);
+        }
         return;
     }
     for (int kv = 0; kv < 2; kv++)
@@ -682,12 +694,14 @@ static inline V16 v16_halves(__m256 lo, __m256 hi) {
 #endif
 }
 
-/* 16 elements i.. of a cache row as attention reads them: the model dtype's values, or an 8-bit cache's
- * times its scale, kept in fp32 (kv_row and torch's gather round them to dt: here that rounding cost a decode
- * step at 512 tokens 20-30% more than the cache read itself, measured, and only takes precision away). */
+/* 16 elements i.. of a cache row as attention reads them: the model dtype's values, a bfloat16 cache's
+ * widened, or an 8-bit cache's times its scale, kept in fp32 (kv_row and torch's gather round them to dt: here
+ * that rounding cost a decode step at 512 tokens 20-30% more than the cache read itself, measured, and only
+ * takes precision away). */
 static inline __attribute__((always_inline)) V16 kv_load16(const void *row, int64_t i, const int kv_dt, V16 scale,
                                                            int dt) {
     if (kv_dt == KV_MODEL) return load16(row, i, dt);
+    if (kv_dt == KV_BF16) return load16(row, i, BF16);
     const uint8_t *p = (const uint8_t *)row + i;
     if (kv_dt == KV_FP8) {
         __m256 lo, hi;
@@ -747,8 +761,9 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g, float *scratch,
     void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
     int64_t G = P->heads / P->kv_heads, dim = chunks * 16, first = first_key(P, b), len = P->context_lens[b] - first;
-    int64_t elem = kv_dt != KV_MODEL ? 1 : dt == BF16 ? 2 : 4, row_bytes = P->kv_heads * dim * elem;
-    int64_t head_bytes = g * dim * elem;
+    int64_t elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+    int64_t row_bytes = P->kv_heads * dim * elem, head_bytes = g * dim * elem;
+    const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
     V16 scale = v16_set1(1.f);
     float *qf = scratch, *acc = qf + G * dim, *scores = acc + G * dim;
     for (int64_t i = 0; i < G * dim; i++) qf[i] = load(q, b * q_stride + g * G * dim + i, dt) * P->scale, acc[i] = 0.f;
@@ -758,7 +773,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *key = (const char *)kv_cache + slot * 2 * row_bytes + head_bytes;
-        if (kv_dt != KV_MODEL) scale = kv_scale16(P, slot, 0, g, dt);
+        if (scaled) scale = kv_scale16(P, slot, 0, g, dt);
         for (int64_t c = 0; c < chunks; c++) kv[c] = kv_load16(key, c * 16, kv_dt, scale, dt);
         for (int64_t j = 0; j < G; j++) {
             V16 s = v16_mul(v16_loadf(qf + j * dim), kv[0]);
@@ -772,7 +787,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
         const char *value = (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes;
-        if (kv_dt != KV_MODEL) scale = kv_scale16(P, slot, 1, g, dt);
+        if (scaled) scale = kv_scale16(P, slot, 1, g, dt);
         for (int64_t c = 0; c < chunks; c++) kv[c] = kv_load16(value, c * 16, kv_dt, scale, dt);
         for (int64_t j = 0; j < G; j++) {
             V16 p = v16_set1(scores[j * len + t]);
@@ -805,6 +820,7 @@ static void attend_group(const Paged *P, const void *q, int64_t q_stride, const 
     else ATTEND(chunks, dt, kv_dt_);
     if (P->kv_dt == KV_FP8) { ATTEND_KV(KV_FP8) }
     else if (P->kv_dt == KV_INT8) { ATTEND_KV(KV_INT8) }
+    else if (P->kv_dt == KV_BF16) { ATTEND_KV(KV_BF16) }
     else { ATTEND_KV(KV_MODEL) }
 #undef ATTEND_KV
 #undef ATTEND

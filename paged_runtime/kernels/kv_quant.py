@@ -1,7 +1,8 @@
-"""8-bit paged KV cache (``--kv-cache-dtype``): the plain-torch reference of storing and reading it.
+"""The paged KV cache in another dtype than the model's (``--kv-cache-dtype``): the plain-torch reference of
+storing and reading it.
 
 Values keep the cache layout ``[num_slots, 2, num_kv_heads, head_dim]`` (a slot's key at ``[slot, 0]``, its
-value at ``[slot, 1]``) in an 8-bit dtype; each layer's ``kv_scale`` says how to read them back:
+value at ``[slot, 1]``) in an 8-bit dtype or bfloat16; each layer's ``kv_scale`` says how to read them back:
 
 - ``fp8`` / ``fp8_e4m3`` (vLLM's flag): torch.float8_e4m3fn values, ``kv_scale`` float32 ``[2]`` = (k_scale,
   v_scale), per tensor, 1.0 unless set (vLLM's default when the checkpoint has none). Stored: x / scale,
@@ -11,11 +12,19 @@ value at ``[slot, 1]``) in an 8-bit dtype; each layer's ``kv_scale`` says how to
   value * scale, so |x - read| <= scale / 2. An all-zero row has scale 0 and reads back 0. Read in a
   model dtype narrower than float32, the scale is first rounded to that dtype (value times it is then exact
   in float32, rounded once to the dtype): two cheap passes over the context instead of three in float32.
+- ``bfloat16`` under float32 activations (half the bytes, as llama.cpp's f16 cache): ``kv_scale`` None;
+  stored: x rounded to bfloat16 (nearest even, torch's cast); read: widened to float32, exactly. Under bfloat16
+  activations it is the model's own dtype (as ``auto``); under float16 refused (fewer fraction bits than the
+  model's, no bytes saved).
 - ``auto``: the model's dtype, ``kv_scale`` None (no conversion).
+
+A cache in another dtype than the model's is read back from the cache by every query, a whole prompt's
+included, so each query sees the values a later prefix-cache hit will see.
 
 Arithmetic in float32 from the K/V as the model produced them (so the C kernels and Triton, which do the
 same, store bit-identical caches). The compiled kernels (``cpu_ops.c``) and Triton (``store_kv.py``,
-``attention.py``) implement this same contract.
+``attention.py``; 8 bits only: the worker refuses a bfloat16 cache under float32 there) implement this same
+contract.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ import torch
 from paged_runtime.kernels import cpu
 
 # --kv-cache-dtype name -> the cache's element dtype (auto: the model's).
-CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn,
+CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                                                "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
@@ -35,6 +44,8 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element dtype of a ``name`` cache for a model computing in ``model_dtype``."""
     if name not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(CACHE_DTYPES)}; got {name!r}")
+    if name == "bfloat16" and model_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"kv_cache_dtype bfloat16 needs float32 or bfloat16 activations, not {model_dtype}")
     return CACHE_DTYPES[name] or model_dtype
 
 
@@ -107,7 +118,7 @@ def gather(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slots: torch.T
     """Slots ``slots`` (1-D) of the cache, ``[N, 2, Hkv, D]`` in ``dtype``. fp8 with ``kv_scale`` None: the e4m3
     values as they are (exact in any float dtype), for a caller that applies (k_scale, v_scale) itself."""
     if not is_quantized(kv_cache):
-        return kv_cache.index_select(0, slots)
+        return kv_cache.index_select(0, slots).to(dtype)  # bfloat16 under float32: widened, exact
     if kv_cache.device.type == "cpu" and dtype in cpu.DTYPES and cpu.loaded():
         return cpu.cpu_kv_gather(kv_cache, kv_scale, slots, dtype)  # the same values, in one pass
     values = as_bytes(kv_cache).index_select(0, slots).view(kv_cache.dtype)

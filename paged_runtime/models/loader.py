@@ -103,6 +103,12 @@ def load_model(folder: Path, max_len: int, dtype: torch.dtype, device: torch.dev
 GGUF_TYPES = Path("gguf") / "types.json"  # beside a converted GGUF's weights (models/gguf_convert.py)
 
 
+def serves_gguf_blocks(folder: Path, quantization: str | None) -> bool:
+    """Whether ``folder`` (a converted .gguf) is served as its blocks: unless ``--quantization none``
+    dequantizes it (any other contradicting name is refused by ``resolve_quantization``)."""
+    return (folder / GGUF_TYPES).is_file() and quantization != "none"
+
+
 def stored_quantization(folder: Path, config: ModelConfig) -> str | None:
     """The format the checkpoint's weights are stored in: "gguf" for a converted .gguf, a pre-quantized
     checkpoint's quant_method, None for plain weights."""

@@ -105,7 +105,7 @@ class ModelRunner:
         on CUDA only; see ``cuda_graphs``); None runs every step eagerly. ``samples``: False on a rank of a
         parallel model that only computes its share of the forward pass (``execute`` returns None there:
         one rank samples, and the others learn the tokens from the scheduler's next step).
-        ``kv_cache_dtype``: auto (the model's dtype), fp8 / fp8_e4m3 or int8 (``kernels.kv_quant``)."""
+        ``kv_cache_dtype``: auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 or int8 (``kernels.kv_quant``)."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.attention_backend = attention_backend
@@ -336,7 +336,7 @@ class ModelRunner:
 def allocate_kv_caches(model, num_slots: int, dtype: torch.dtype, device: torch.device,
                        kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """One zeroed ``[num_slots, 2, num_kv_heads, head_dim]`` cache per attention layer this rank holds (its
-    KV heads), in ``dtype`` or the 8-bit ``kv_cache_dtype`` with its scales (``kernels.kv_quant``), bound to
+    KV heads), in ``dtype`` or ``kv_cache_dtype`` (an 8-bit one with its scales: ``kernels.kv_quant``), bound to
     those layers. Zeroed, not empty: masked-out context slots are still multiplied by 0 in attention.
     Returns every tensor indexed by slot (the caches, then int8's ``[num_slots, 2, num_kv_heads]`` scales):
     what copy-on-write copies. Allocated once: CUDA graphs capture these very tensors."""

@@ -21,7 +21,7 @@ import torch
 
 from paged_runtime.attention import select_backend, uses_triton
 from paged_runtime.config import EngineConfig
-from paged_runtime.kernels import cpu as cpu_kernels
+from paged_runtime.kernels import cpu as cpu_kernels, kv_quant
 from paged_runtime.layers.linear import SINGLE, TensorParallel
 from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
@@ -45,6 +45,7 @@ class WorkerSpec:
     draft_path: Path | None = None  # speculative decoding's draft model (one device only)
     blocks_per_request: int | None = None  # the most blocks one request holds (None: max_model_len's)
     lookahead: int = 0  # speculative slots past a request's last token
+    kv_cache_dtype: str = "auto"  # the cache's, resolved (utils.devices.resolve_precision); "auto": dtype
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,18 @@ class Worker:
         self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
                                                 config.attention_backend,
                                                 registry.family(self.model.config.architecture).encoder_only)
+        self._check_cache_dtype()
         self.runner: ModelRunner | None = None
+
+    def _check_cache_dtype(self) -> None:
+        """ValueError at start-up for a cache the attention backend cannot read: Triton reads the model's dtype
+        or 8 bits, not a bfloat16 cache under wider activations (its CPU interpreter, where its kernels are
+        tested without a GPU, has no bfloat16 to test that read with)."""
+        dtype, name = self.spec.dtype, self.spec.kv_cache_dtype
+        if self.attention_backend == "triton" and kv_quant.cache_dtype(name, dtype) == torch.bfloat16 != dtype:
+            raise ValueError(f"--kv-cache-dtype {name} under {dtype} activations is not supported by the triton "
+                             "attention backend: give --kv-cache-dtype fp8, int8, or auto with an explicit --dtype "
+                             "(the cache in that dtype), or another --attention-backend")
 
     def _gguf_kernels(self, path: Path):
         """The compiled CPU kernels for a GGUF served as blocks (they multiply blocks on any x86 CPU, AVX-512
@@ -122,7 +134,7 @@ class Worker:
         c = self.spec.config
         budget = c.kv_cache_memory or free_memory(self.device, c.gpu_memory_utilization, self.placement.world_size)
         models = [self.model] + ([self.draft] if self.draft is not None else [])
-        per_block = bytes_per_block(models, c.block_size, self.spec.dtype, c.kv_cache_dtype)
+        per_block = bytes_per_block(models, c.block_size, self.spec.dtype, self.spec.kv_cache_dtype)
         num_blocks = num_kv_blocks(per_block, c.block_size, budget,
                                    self.spec.max_model_len, c.max_num_seqs, self.spec.blocks_per_request)
         return WorkerInfo(num_blocks, self.model.rope_switch, self.ops.name, self.attention_backend)
@@ -131,12 +143,12 @@ class Worker:
         """Allocate ``num_blocks`` blocks and build the runner."""
         spec, c = self.spec, self.spec.config
         num_slots = num_blocks * c.block_size
-        if c.kv_cache_dtype != "auto" and self.device.type == "cpu" and not c.enforce_eager:
+        if spec.kv_cache_dtype != "auto" and self.device.type == "cpu" and not c.enforce_eager:
             # The torch backend reads an 8-bit cache through the compiled one-pass gather where it builds
             # (whatever the op set); else in PyTorch, 2-4x slower per step at long contexts (measured).
             cpu_kernels.load(c.cache_dir)
         drafter = None if self.draft is None else DraftModelProposer(
-            self.draft, allocate_kv_caches(self.draft, num_slots, spec.dtype, self.device, c.kv_cache_dtype))
+            self.draft, allocate_kv_caches(self.draft, num_slots, spec.dtype, self.device, spec.kv_cache_dtype))
         # CUDA graphs capture one device's step; a parallel step's collectives are not captured.
         one_device = self.placement.world_size == 1
         graphs = (c.max_num_seqs, spec.max_model_len) if (
@@ -144,7 +156,7 @@ class Worker:
         max_blocks = -(-(spec.max_model_len + spec.lookahead) // c.block_size)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, self.device, spec.dtype, c.seed,
                                   self.attention_backend, max_blocks, drafter, graphs,
-                                  samples=self.placement.is_driver, kv_cache_dtype=c.kv_cache_dtype)
+                                  samples=self.placement.is_driver, kv_cache_dtype=spec.kv_cache_dtype)
 
     def execute(self, out):
         return self.runner.execute(out)

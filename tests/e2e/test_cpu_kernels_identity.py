@@ -1,11 +1,12 @@
-"""The compiled CPU kernels give the same greedy tokens as the plain PyTorch path (float32), with every
-engine feature on: chunked prefill mixed with decodes, prefix-cache hits, preemption, n-gram speculation,
-decode batches both within the fused kernel's row limit and beyond it."""
+"""The compiled CPU kernels give the same greedy tokens as the plain PyTorch path (float32, also over a bfloat16
+KV cache), with every engine feature on: chunked prefill mixed with decodes, prefix-cache hits, preemption,
+n-gram speculation, decode batches both within the fused kernel's row limit and beyond it."""
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from conftest import assert_idle, count_decode_steps, make_llm
 from paged_runtime import SamplingParams
@@ -59,5 +60,32 @@ def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seq
         assert max(row_steps) > cpu.max_rows()  # decodes too many for the compiled step ran op by op
     else:
         assert kernels.engine.core.scheduler.num_preemptions > 0
+    assert kernels.engine.core.kv_cache.num_hit_tokens > 0
+    assert_idle(kernels)
+
+
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram"])
+def test_a_bfloat16_cache_under_float32_gives_the_pytorch_paths_tokens(tiny_llama_dir, monkeypatch,
+                                                                       speculative_config):
+    """float32 activations over a bfloat16 KV cache (a GGUF's default on the CPU): the compiled decode step and
+    the C attention, which round K/V into the cache and widen them back themselves, give the plain PyTorch path's
+    tokens, with chunked prefill, prefix-cache hits and preemption (24 blocks, half float32's bytes each)."""
+    fused_calls = count_decode_steps(monkeypatch)
+    prompts, params = workload()
+    common = dict(kv_cache_dtype="bfloat16", max_model_len=384, max_num_batched_tokens=64, max_num_seqs=4,
+                  kv_cache_memory=24 * TINY_BYTES_PER_BLOCK // 2, speculative_config=speculative_config)
+    eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
+    kernels = make_llm(tiny_llama_dir, cpu_kernels=True, **common)
+    for llm in (eager, kernels):
+        core = llm.engine.core
+        assert (core.dtype, core.num_blocks) == (torch.float32, 24)
+        assert core.executor.worker.model.layers[0].self_attn.attn.kv_cache.dtype == torch.bfloat16
+    assert kernels.engine.core.ops.name == "cpu-kernels" and eager.engine.core.ops.name == "torch"
+    expected = generate(eager, prompts, params)
+    assert not fused_calls
+    assert generate(kernels, prompts, params) == expected
+    assert fused_calls
+    assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0
     assert_idle(kernels)

@@ -1,4 +1,5 @@
-"""--kv-cache-dtype fp8 / int8 end to end: exact block counts at one --kv-cache-memory, the engine's features
+"""--kv-cache-dtype fp8 / int8 end to end: exact block counts at one --kv-cache-memory (bfloat16 under float32's
+too, and Triton's refusal of it), the engine's features
 on an 8-bit cache (chunked prefill, prefix-cache hits, preemption, n-gram speculation, copy-on-write for n=2,
 the compiled CPU kernels) giving the tokens of the same 8-bit cache without them, and the embedded SmolLM2's
 perplexity with an 8-bit cache against bfloat16's on the text in tests/data (the real figures are printed).
@@ -22,9 +23,9 @@ from paged_runtime.kernels import cpu, kv_quant
 from paged_runtime.utils.perplexity import perplexity
 
 NAMES = ("fp8", "int8")
-# The tiny Llama: 2 layers x 2 KV heads x head dim 16, blocks of 16 tokens; K and V in fp32 / 8 bits, and
+# The tiny Llama: 2 layers x 2 KV heads x head dim 16, blocks of 16 tokens; K and V in 32, 16 or 8 bits, and
 # int8's two float32 scales per token and KV head.
-TINY_BLOCK_BYTES = {"fp32": 2 * 2 * 16 * 2 * 4 * 16, "bf16": 2 * 2 * 16 * 2 * 2 * 16,
+TINY_BLOCK_BYTES = {"float32": 2 * 2 * 16 * 2 * 4 * 16, "bfloat16": 2 * 2 * 16 * 2 * 2 * 16,
                     "fp8": 2 * 2 * 16 * 2 * 1 * 16, "int8": 2 * 2 * (16 * 2 + 2 * 4) * 16}
 
 
@@ -35,19 +36,30 @@ def generate(llm, prompts, params) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("dtype, name, blocks", [("bfloat16", "auto", 256), ("bfloat16", "fp8", 512),
                                                  ("bfloat16", "fp8_e4m3", 512), ("bfloat16", "int8", 409),
-                                                 ("float32", "auto", 128), ("float32", "fp8", 512)])
+                                                 ("float32", "auto", 128), ("float32", "fp8", 512),
+                                                 ("float32", "bfloat16", 256), ("bfloat16", "bfloat16", 256)])
 def test_one_kv_cache_memory_holds_twice_the_blocks_in_8_bits(tiny_llama_dir, dtype, name, blocks):
-    """1 MiB: bf16 blocks of 8 KiB; fp8 half that (4x fp32's); int8 half plus 8 bytes of scales per token and
-    KV head (2560-byte blocks: 409)."""
+    """1 MiB: bf16 blocks of 8 KiB (a bfloat16 cache under float32 too); fp8 half that (4x fp32's); int8 half
+    plus 8 bytes of scales per token and KV head (2560-byte blocks: 409)."""
     llm = make_llm(tiny_llama_dir, dtype=dtype, kv_cache_dtype=name, max_model_len=128, kv_cache_memory=1 << 20)
     try:
-        assert llm.engine.core.num_blocks == blocks == (1 << 20) // TINY_BLOCK_BYTES.get(
-            name.removesuffix("_e4m3"), TINY_BLOCK_BYTES["bf16" if dtype == "bfloat16" else "fp32"])
+        assert llm.engine.core.num_blocks == blocks == (1 << 20) // TINY_BLOCK_BYTES[
+            dtype if name == "auto" else name.removesuffix("_e4m3")]
         cache = llm.engine.core.executor.worker.model.layers[0].self_attn.attn.kv_cache
-        assert cache.dtype == {"auto": getattr(torch, dtype), "int8": torch.int8}.get(name, torch.float8_e4m3fn)
+        assert cache.dtype == {"auto": getattr(torch, dtype), "int8": torch.int8,
+                               "bfloat16": torch.bfloat16}.get(name, torch.float8_e4m3fn)
         assert cache.shape == (blocks * 16, 2, 2, 16)
     finally:
         llm.engine.core.shutdown()
+
+
+def test_the_triton_backend_refuses_a_bfloat16_cache_under_float32(tiny_llama_dir):
+    """At start-up, naming the flag: Triton reads no bfloat16 cache under float32 queries."""
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 under torch.float32 activations is not "
+                                         "supported by the triton attention backend"):
+        make_llm(tiny_llama_dir, kv_cache_dtype="bfloat16", attention_backend="triton", max_model_len=128,
+                 kv_cache_memory=1 << 20)
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:

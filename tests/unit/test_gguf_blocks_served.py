@@ -185,3 +185,28 @@ def test_the_kernels_give_each_row_the_same_bits_in_any_batch(qtype):
         for start, rows in ((0, 1), (3, 2), (7, 3), (2, 5), (11, 4)):
             part = cpu.cpu_gguf_linear(x[start:start + rows].contiguous(), raw, None, SERVED[qtype].id, 512)
             assert torch.equal(part, whole[start:start + rows]), (dtype, start, rows)
+
+
+def test_a_gguf_on_the_cpu_computes_in_float32_over_a_bfloat16_cache_by_default(tmp_path, monkeypatch):
+    """dtype auto: float32 activations; kv_cache_dtype auto then: ``GGUF_CPU_KV_CACHE`` (``utils.devices.
+    resolve_precision``). An explicit dtype keeps its own cache, an explicit cache dtype is kept, and the file
+    dequantized at load (``-q none``) is a plain checkpoint: its own bfloat16. On CUDA the checkpoint's dtype, as
+    any model's."""
+    from paged_runtime.kernels import kv_quant
+    from paged_runtime.utils.devices import GGUF_CPU_KV_CACHE, Precision, resolve_precision
+    path, _ = write_gguf(tmp_path, lambda name: "Q8_0")
+    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
+    f32, bf16 = torch.float32, torch.bfloat16
+    default_cache = kv_quant.cache_dtype(GGUF_CPU_KV_CACHE, f32)
+    want = {("auto", "auto", None): (f32, default_cache), ("auto", "int8", None): (f32, torch.int8),
+            ("auto", "bfloat16", None): (f32, bf16),
+            ("float32", "auto", None): (f32, f32), ("bfloat16", "auto", None): (bf16, bf16),
+            ("auto", "auto", "none"): (bf16, bf16)}
+    for (dtype, kv_cache_dtype, quantization), (activations, cache) in want.items():
+        llm = make_llm(path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization, max_model_len=96,
+                       kv_cache_memory=4 << 20)
+        core = llm.engine.core
+        got = core.dtype, core.executor.worker.model.layers[0].self_attn.attn.kv_cache.dtype
+        core.shutdown()
+        assert got == (activations, cache), (dtype, kv_cache_dtype, quantization)
+    assert resolve_precision("auto", "auto", "bfloat16", torch.device("cuda"), True) == Precision(bf16, "auto")

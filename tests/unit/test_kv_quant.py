@@ -1,6 +1,7 @@
-"""The 8-bit paged KV cache (``--kv-cache-dtype fp8 / int8``): the torch reference's round trip, the compiled
-CPU kernels against it on the same 8-bit cache (store bit for bit, attention to float32 summation order),
-the budget's exact bytes per block, and bad names refused with the choices."""
+"""The paged KV cache in another dtype than the model's (``--kv-cache-dtype fp8 / int8``, and ``bfloat16``
+under float32 activations): the torch reference's round trip, the compiled CPU kernels against it on the same
+cache (store bit for bit, attention to float32 summation order), the budget's exact bytes per block, and bad
+names refused with the choices."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,11 @@ from paged_runtime.kernels import cpu, kv_quant
 
 E4M3 = torch.float8_e4m3fn
 QUANTIZED = ("fp8", "int8")
+DTYPES = (torch.float32, torch.bfloat16)
+# (cache name, model dtype) of every cache the model's K/V are converted for: 8 bits under either activation
+# dtype, and bfloat16 under float32 (under bfloat16 it is the model's own: "auto").
+CONVERTED = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}") for name in QUANTIZED for dtype in DTYPES]
+CONVERTED.append(pytest.param("bfloat16", torch.float32, id="bfloat16-float32"))
 
 
 def randn(*shape: int, seed: int = 0, std: float = 1.0) -> torch.Tensor:
@@ -25,7 +31,7 @@ def empty_cache(name: str, num_slots: int, kv_heads: int, dim: int, dtype=torch.
 
 # ---- the torch reference ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_round_trip_is_within_half_a_step_of_each_heads_scale(dtype):
     k, v = randn(40, 3, 64, seed=1, std=3).to(dtype), randn(40, 3, 64, seed=2).to(dtype)
     k[5, 1] = 0  # an all-zero head: scale 0, reads back 0
@@ -57,6 +63,22 @@ def test_fp8_stores_torchs_own_e4m3_rounding_of_x_over_the_scale_saturated():
     assert torch.equal(back[:, 0], want_k.float() * 2.0) and torch.equal(back[:, 1], want_v.float() * 0.5)
 
 
+def test_a_bfloat16_cache_stores_torchs_rounding_and_reads_it_back_exactly():
+    """Under float32 activations: each value rounded to nearest even once, on store; read back widened (exact)."""
+    k, v = randn(20, 2, 16, seed=4, std=3), randn(20, 2, 16, seed=5)
+    cache, scale = empty_cache("bfloat16", 32, 2, 16)
+    assert cache.dtype == torch.bfloat16 and scale is None
+    slots = torch.arange(20) + 7
+    kv_quant.store(k, v, cache, scale, slots)
+    assert torch.equal(cache[slots], torch.stack((k, v), dim=1).to(torch.bfloat16))
+    back = kv_quant.gather(cache, scale, slots, torch.float32)
+    assert back.dtype == torch.float32 and torch.equal(back, cache[slots].float())
+    assert not torch.equal(back, torch.stack((k, v), dim=1))  # it did round
+    assert kv_quant.cache_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # the model's own: as auto
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs float32 or bfloat16 activations"):
+        kv_quant.cache_dtype("bfloat16", torch.float16)  # fewer fraction bits than the model's, no bytes saved
+
+
 def test_auto_is_the_model_dtype_untouched():
     cache, scale = empty_cache("auto", 8, 1, 4, torch.bfloat16)
     assert cache.dtype == torch.bfloat16 and scale is None
@@ -74,12 +96,15 @@ def test_bytes_per_block_count_the_8_bit_values_and_int8_scales_exactly():
     assert per_block["auto"] == 30 * 16 * 2 * 3 * 64 * 2 == 368640
     assert per_block["fp8"] == per_block["fp8_e4m3"] == 368640 // 2
     assert per_block["int8"] == 30 * 16 * 3 * (2 * 64 + 2 * 4) == 195840  # + a float32 scale per K/V head row
+    assert per_block["bfloat16"] == 368640  # the model's own dtype here
+    assert bytes_per_block([model], 16, torch.float32, "bfloat16") == 368640  # half float32's
+    assert bytes_per_block([model], 16, torch.float32, "auto") == 2 * 368640
     budget = 64 << 20
     blocks = {name: num_kv_blocks(per_block[name], 16, budget, 2048, 256) for name in ("auto", "fp8", "int8")}
     assert blocks == {"auto": 182, "fp8": 364, "int8": 342}
 
 
-# ---- the compiled CPU kernels on the same 8-bit cache --------------------------------------------
+# ---- the compiled CPU kernels on the same converted cache -----------------------------------------
 
 kernels = pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
 
@@ -94,10 +119,9 @@ def filled_cache(name: str, dtype: torch.dtype, num_blocks: int, block_size: int
 
 
 @kernels
-@pytest.mark.parametrize("name", QUANTIZED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,dtype", CONVERTED)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 40)])
-def test_c_decode_attention_reads_the_8_bit_cache_as_the_torch_backend(name, dtype, heads, kv_heads, dim):
+def test_c_decode_attention_reads_the_converted_cache_as_the_torch_backend(name, dtype, heads, kv_heads, dim):
     block_size, num_blocks = 16, 24
     cache, scale = filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=heads + dim)
     g = torch.Generator().manual_seed(dim)
@@ -122,11 +146,18 @@ def test_c_kernel_refuses_an_8_bit_cache_without_its_scales():
 
 
 @kernels
-@pytest.mark.parametrize("name", QUANTIZED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_decode_step_stores_the_same_8_bit_cache_as_torch(name, dtype):
-    """The compiled decode step quantizes its K/V exactly as ``kv_quant.store`` (same bits, same scales) and attends
-    as the layer on PyTorch ops does over the same 8-bit cache."""
+def test_c_kernel_refuses_a_cache_it_cannot_read_under_the_query_dtype():
+    """A float32 cache under bfloat16 queries: no such cache is ever allocated, and none is read as another."""
+    with pytest.raises(ValueError, match="torch.float32 KV cache under torch.bfloat16"):
+        cpu.cpu_paged_decode_attention(torch.zeros(1, 1, 16, dtype=torch.bfloat16), torch.zeros(16, 2, 1, 16),
+                                       torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1]), 16, 0.25)
+
+
+@kernels
+@pytest.mark.parametrize("name,dtype", CONVERTED)
+def test_the_compiled_decode_step_stores_the_same_converted_cache_as_torch(name, dtype):
+    """The compiled decode step converts its K/V exactly as ``kv_quant.store`` (same bits, same scales) and attends
+    as the layer on PyTorch ops does over the same converted cache."""
     from paged_runtime.layers.linear import UnquantizedLinearMethod
     from paged_runtime.layers.ops import TorchOps
     from paged_runtime.layers.rotary import RotaryEmbedding
@@ -152,7 +183,7 @@ def test_the_compiled_decode_step_stores_the_same_8_bit_cache_as_torch(name, dty
     meta = AttentionMetadata(slots, [decode_group(0, tables[:, t // block_size] * block_size + t % block_size,
                                                   lens)], [])
     attn = layer.self_attn.attn
-    attn.kv_cache, attn.kv_scale = ref_cache, ref_scale = cache.clone(), scale.clone()
+    attn.kv_cache, attn.kv_scale = ref_cache, ref_scale = cache.clone(), None if scale is None else scale.clone()
     ref_x, ref_residual = layer(x, residual.clone(), rope.inputs(positions, dtype), meta)
 
     plain = torch.zeros(cache.shape, dtype=dtype)  # the same layer with a model-dtype cache: the K/V it stores
@@ -176,9 +207,9 @@ def test_the_compiled_decode_step_stores_the_same_8_bit_cache_as_torch(name, dty
 
 # ---- the torch backend reads what it stored -------------------------------------------------------
 
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_a_whole_prompt_attends_to_its_stored_8_bit_kv(name):
-    """A prompt without cached context attends over its dequantized cache rows (as Triton and the C kernel
+@pytest.mark.parametrize("name", QUANTIZED + ("bfloat16",))
+def test_a_whole_prompt_attends_to_its_stored_converted_kv(name):
+    """A float32 prompt without cached context attends over its cache rows read back (as Triton and the C kernel
     read the cache), so a later prefix-cache hit sees exactly what the first request saw."""
     from paged_runtime.attention.torch_backend import PrefillChunk, _attend
     q, k, v = randn(6, 4, 32, seed=1), randn(6, 2, 32, seed=2), randn(6, 2, 32, seed=3)
@@ -195,7 +226,8 @@ def test_a_whole_prompt_attends_to_its_stored_8_bit_kv(name):
 def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices(capsys):
     from paged_runtime.entrypoints.cli import build_parser
     assert KV_CACHE_DTYPES == tuple(kv_quant.CACHE_DTYPES)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, int8; got 'fp4'"):
+    with pytest.raises(ValueError,
+                       match="kv_cache_dtype must be one of auto, bfloat16, fp8, fp8_e4m3, int8; got 'fp4'"):
         EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])
@@ -204,6 +236,7 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices(capsys):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         kv_quant.cache_dtype("e5m2", torch.float32)
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    assert build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
 
 
 def test_the_adapters_pass_the_kv_cache_dtype_to_the_engine():
@@ -218,7 +251,7 @@ def test_the_adapters_pass_the_kv_cache_dtype_to_the_engine():
 
 @kernels
 @pytest.mark.parametrize("name", QUANTIZED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_compiled_gather_reads_what_the_torch_gather_reads(name, dtype):
     """``cpu_kv_gather`` (the torch backend's read on the CPU once the kernels load) is bit for bit the
     PyTorch dequantization, fp8 with and without its scales."""
