@@ -4,6 +4,7 @@ errors a client sees. The HTTP side, with real engines: tests/server/test_multi_
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -123,6 +124,26 @@ def test_a_second_request_for_a_loading_model_waits_for_the_same_load():
         model_set, loads = make_set("a", max_loaded=1)
         first, second = await asyncio.gather(request(model_set, "a"), request(model_set, "a"))
         assert first is second and loads == ["a"]
+    run(scenario())
+
+
+def test_a_client_that_leaves_during_a_load_stops_waiting_and_the_load_goes_on():
+    async def scenario():
+        model_set, loads = make_set("a", max_loaded=1)
+        release = threading.Event()
+        slow_load = model_set.models[0].load
+        model_set.models[0].load = lambda: (release.wait(30), slow_load())[1]
+        leaving = asyncio.create_task(request(model_set, "a"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert states(model_set) == {"a": "loading"}
+        leaving.cancel()  # the client went away while the engine was being built
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        release.set()
+        await model_set.models[0].load_task  # the load was not abandoned: its engine is kept, not leaked
+        assert states(model_set) == {"a": "loaded"} and [e.name for e in FakeEngine.alive] == ["a"]
+        assert (await request(model_set, "a")).name == "a" and loads == ["a"]  # served without loading again
     run(scenario())
 
 

@@ -5,7 +5,8 @@ load its engine, and its state, as llama.cpp's router names them: ``unloaded`` -
 (or ``error``, with the reason: a later request tries again). With ``max_loaded`` (``--max-loaded-models``) at
 most that many engines are loaded at once: a request for an unloaded model loads it on first use, first
 unloading the least recently used *idle* model (no request of its own in flight, nobody about to submit
-one). When every loaded model is busy, the load waits until one is idle; a client that leaves stops waiting.
+one). When every loaded model is busy, the load waits until one is idle; a client that leaves stops waiting
+(the load goes on: the next request finds the model loaded).
 
 Invariants (all on the event loop, no lock across threads): a model's engine is never shut down while a
 ``use`` of it is open or while it has unfinished requests; loads run one at a time, each first unloading
@@ -27,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -89,7 +90,7 @@ class ServedModel(Generic[R]):
     error: str | None = None
     last_used: float = 0.0
     leases: int = 0  # ``use`` blocks open: requests resolving the model, not yet submitted
-    loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set when a load ends, either way
+    load_task: asyncio.Task | None = None  # the load in progress (or the last one), which requests await
 
     def idle(self) -> bool:
         return self.state == LOADED and self.leases == 0 and self.engine.num_unfinished_requests == 0
@@ -128,11 +129,7 @@ class ModelSet(Generic[R]):
     @classmethod
     def of_engines(cls, engines: Sequence[tuple[Any, Sequence[str], str]]) -> ModelSet[R]:
         """Engines (engine, served names, root) loaded for good by their caller, who owns them."""
-        models: list[ServedModel[R]] = [ServedModel(list(names), root, None, engine, state=LOADED)
-                                        for engine, names, root in engines]
-        for model in models:
-            model.loaded.set()
-        return cls(models)
+        return cls([ServedModel(list(names), root, None, engine, state=LOADED) for engine, names, root in engines])
 
     @property
     def can_unload(self) -> bool:
@@ -182,7 +179,6 @@ class ModelSet(Generic[R]):
         for model in self.models:
             if model.state != LOADED:
                 model.engine, model.state = model.load(), LOADED  # type: ignore[misc]
-                model.loaded.set()
                 if self._make_routes is not None:
                     model.routes = self._make_routes(model.engine, model.names)
 
@@ -209,18 +205,19 @@ class ModelSet(Generic[R]):
         await self._unload(model)
 
     async def _ensure_loaded(self, model: ServedModel[R]) -> None:
+        """Waits for ``model``'s load, starting one if none runs. The load is a task of its own, shielded from
+        the requests awaiting it: a client that leaves stops waiting, and the load goes on (an engine half built
+        is never dropped, and the next request finds the model loaded)."""
         while model.state != LOADED:
-            if model.state == LOADING:
-                await model.loaded.wait()
-                continue
-            await self._load(model)
+            if model.state != LOADING:
+                model.state, model.error = LOADING, None
+                model.load_task = asyncio.ensure_future(self._load(model))
+            await asyncio.shield(model.load_task)  # type: ignore[arg-type]
             if model.state == ERROR:
                 raise OpenAIError(503, f"model {model.names[0]!r} failed to load: {model.error}",
                                   type="server_error", code="model_load_failed")
 
     async def _load(self, model: ServedModel[R]) -> None:
-        model.state, model.error = LOADING, None  # later requests for it await ``loaded``
-        model.loaded = asyncio.Event()
         try:
             async with self._loading:  # one load at a time: each makes its own room (see the invariants)
                 await self._make_room()
@@ -233,10 +230,8 @@ class ModelSet(Generic[R]):
             model.state, model.error = ERROR, f"{type(e).__name__}: {e}"
             logger.error("model %s failed to load: %s", model.names[0], model.error)
         except BaseException:
-            model.state = UNLOADED  # cancelled (the client left): the next request tries again
+            model.state = UNLOADED  # the server is stopping: nothing was kept
             raise
-        finally:
-            model.loaded.set()
 
     async def _make_room(self) -> None:
         """Unloads least recently used idle models until one more fits under the cap (waiting while every
