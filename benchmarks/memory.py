@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
 from benchmarks.common import (FIRST_ORDINARY_ID, elapsed, machine_info, make_workload,  # noqa: E402
@@ -47,6 +48,7 @@ from benchmarks.common import (FIRST_ORDINARY_ID, elapsed, machine_info, make_wo
 
 from paged_runtime import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from paged_runtime.config import KV_CACHE_DTYPES  # noqa: E402
+from paged_runtime.kernels import kv_quant  # noqa: E402
 
 VOCAB = 49152
 
@@ -75,9 +77,9 @@ KV_DTYPE = "auto"  # (a)-(c)'s cache (--kv-cache-dtype)
 
 
 def block_bytes(kv_cache_dtype: str) -> int:
-    """SmolLM2-135M's KV block: 16 tokens x 30 layers x 3 KV heads x (K, V of 64 + int8's two float32 scales)."""
-    values = 1 if kv_cache_dtype != "auto" else 2  # bf16 or 8 bits
-    return 16 * 30 * 3 * (2 * 64 * values + (8 if kv_cache_dtype == "int8" else 0))
+    """SmolLM2-135M's KV block under bfloat16 activations: 16 tokens x 30 layers x 3 KV heads, each head's K and V
+    of 64 (and int8's scales) as the cache stores them (``kv_quant.bytes_per_token_head``)."""
+    return 16 * 30 * 3 * kv_quant.bytes_per_token_head(kv_cache_dtype, torch.bfloat16, 64)
 
 
 def make_llm(max_model_len: int, num_blocks: int, **kwargs) -> LLM:

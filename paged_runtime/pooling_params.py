@@ -100,6 +100,16 @@ def folder_pooling_type(folder: str | Path) -> str | None:
     return declared[0] if len(declared) == 1 else None
 
 
+def folder_max_seq_length(folder: str | Path) -> int | None:
+    """The longest input a sentence-transformers folder declares (``sentence_bert_config.json``'s
+    ``max_seq_length``: what it was trained on and truncates to); None when it declares none."""
+    try:
+        value = json.loads((Path(folder) / "sentence_bert_config.json").read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def request_pooling(pooling_type: str, hidden_size: int, default_normalize: bool, dimensions: int | None = None,
                     normalize: bool | None = None) -> PoolingParams:
     """One request's pooler on an engine pooling by ``pooling_type`` with vectors of ``hidden_size``;

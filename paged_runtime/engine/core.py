@@ -48,6 +48,7 @@ from paged_runtime.core.scheduler_output import SchedulerOutput
 from paged_runtime.executor import ExecutorDead, UniProcExecutor, check_parallel, make_executor
 from paged_runtime.models import registry as model_registry
 from paged_runtime.models.loader import resolve_model_path, serves_gguf_blocks
+from paged_runtime.pooling_params import folder_max_seq_length
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.structured_output.backend import GrammarBackend
@@ -127,7 +128,7 @@ class EngineCore:
         self.precision = resolve_precision(config.dtype, config.kv_cache_dtype, model_config.torch_dtype, self.device,
                                            serves_gguf_blocks(model_path, config.quantization))
         self.dtype = self.precision.dtype
-        self.max_model_len = _max_model_len(config, model_config)
+        self.max_model_len = _max_model_len(config, model_config, model_path)
         family = model_registry.family(model_config.architecture)
         encoder = family.encoder_only  # each prompt whole in one step, no prefix cache (see the module docstring)
         self.max_num_batched_tokens = _step_budget(config, self.max_model_len, family)
@@ -413,10 +414,13 @@ def _step_budget(config: EngineConfig, max_model_len: int, family: model_registr
     return config.max_num_batched_tokens
 
 
-def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+def _max_model_len(config: EngineConfig, model_config: ModelConfig, model_path: Path) -> int:
+    """``max_model_len``, within the model's positions. Unset: the positions, or a sentence-transformers folder's
+    ``max_seq_length`` where smaller (what the embedder was trained on, as vLLM reads it); set, it may go past
+    that, up to the positions."""
     limit = model_config.max_position_embeddings
     if config.max_model_len is None:
-        return limit
+        return min(limit, folder_max_seq_length(model_path) or limit)
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens")
     return config.max_model_len

@@ -9,6 +9,7 @@ picks (auto pools) and what it refuses; the sentence-transformers folder's pooli
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from conftest import assert_idle, make_llm
 from helpers.tiny_bert import MAX_POSITIONS, add_sentence_transformers_modules, save_vocab_txt_tokenizer
 from paged_runtime import SamplingParams
-from paged_runtime.pooling_params import folder_pooling_type
+from paged_runtime.pooling_params import folder_max_seq_length, folder_pooling_type
 from paged_runtime.sampling_params import ParameterError
 
 TOL = 1e-4
@@ -174,6 +175,18 @@ def test_sentence_transformers_pooling_config_is_read(st_dir, tmp_path):
     config = both / "1_Pooling" / "config.json"
     config.write_text(config.read_text().replace('"pooling_mode_cls_token": false', '"pooling_mode_cls_token": true'))
     assert folder_pooling_type(both) is None  # sentence-transformers would concatenate CLS and MEAN
+
+
+def test_max_seq_length_of_a_sentence_transformers_folder_is_the_default_max_model_len(st_dir, tmp_path):
+    assert make_llm(st_dir, runner="pooling").engine.max_model_len == MAX_POSITIONS  # no sentence_bert_config
+    folder = tmp_path / "capped"
+    shutil.copytree(st_dir, folder)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": False}))
+    assert folder_max_seq_length(folder) == 40
+    assert make_llm(folder).engine.max_model_len == 40
+    assert make_llm(folder, max_model_len=96).engine.max_model_len == 96  # asked for: up to the positions
+    (folder / "sentence_bert_config.json").write_text("{not json")
+    assert folder_max_seq_length(folder) is None
 
 
 def test_generate_is_refused_at_config_time_naming_the_architecture(tiny_bert_dir):
