@@ -234,7 +234,7 @@ def build_model(name: str, config: EngineConfig, server: ServerConfig) -> PagedR
 
 def build_models(args: argparse.Namespace, configs: list[EngineConfig], server: ServerConfig) -> list[PagedRuntimeModel]:
     """One KServe model per engine config: ``--model_name`` for one model, each one's served name for several."""
-    if len(configs) == 1 and isinstance(args.model, (str, type(None))):
+    if not isinstance(args.model, list):  # one model (parse_args leaves a list for several)
         return [build_model(args.model_name, configs[0], server)]
     return [build_model(config.served_model_names[0], config, server) for config in configs]
 

@@ -161,10 +161,10 @@ def serve_http(served, server: ServerConfig, options: dict) -> None:
 
 
 def _served_names(served) -> list[str]:
-    models = getattr(served, "models", None)
-    if models is None:
-        return served.config.served_model_names
-    return [name for model in models for name in model.names]
+    from paged_runtime.entrypoints.openai.model_set import ModelSet
+    if isinstance(served, ModelSet):
+        return [name for model in served.models for name in model.names]
+    return served.config.served_model_names
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,11 +111,12 @@ def test_last_pooling_uses_the_prefix_cache_and_gives_the_same_vector(last_llm, 
 def test_mean_pooling_skips_prefix_cache_hits_but_stores_its_blocks(mean_llm, hf_model):
     ids, = prompts(4, [90])
     kv = mean_llm.engine.core.kv_cache
+    cached = len(kv.pool.cached)
     first, = mean_llm.embed([ids], use_tqdm=False)
+    assert len(kv.pool.cached) == cached + 5  # its five full blocks of 16 were published
     hits = kv.num_hit_tokens
     second, = mean_llm.embed([ids], use_tqdm=False)
     assert kv.num_hit_tokens == hits  # never starts from cached rows: every prompt row is pooled
-    assert len(kv.pool.cached) >= 5  # but its full blocks were published
     np.testing.assert_allclose(second.outputs.embedding, first.outputs.embedding, atol=1e-6, rtol=0)
     np.testing.assert_allclose(second.outputs.embedding, hf_embedding(hf_model, ids, "MEAN"), atol=TOL, rtol=0)
 

@@ -138,7 +138,8 @@ class ModelSet(Generic[R]):
 
     @property
     def is_multi(self) -> bool:
-        return len(self.models) > 1 or self.models[0].load is not None
+        """More than one model, or one that loads on demand: /v1/models then shows each one's state."""
+        return len(self.models) > 1 or self.can_unload
 
     def bind(self, make_routes: Callable[[Any, list[str]], R]) -> None:
         """How a loaded engine's routes are made (the router's; the loaded engines get theirs now)."""
