@@ -42,8 +42,8 @@ class Precision:
 
 # The KV cache under a GGUF's float32 default on the CPU, for kv_cache_dtype "auto": the activations' float32.
 # A 16-bit cache (llama.cpp keeps an f16 one; "bfloat16" here would make it the default) holds twice the tokens and
-# decodes faster (SmolLM2 Q4_1, 2-core Zen 4: 16 requests at 300 tokens 27.6 against 34.1 ms a step) at the same
-# perplexity (27.35 against 27.47), but it flips the default model's answer to "What is the capital of France?"
+# decodes faster (SmolLM2 Q4_1, 2-core Zen 4: 16 requests at 300 tokens 29.4 against 35.8 ms a step,
+# benchmarks/kv_cache_dtype.py) at the same perplexity (27.35 against 27.47), but it flips the default model's answer to "What is the capital of France?"
 # back to French landmarks: its first token is a near-tie ("The" 0.05 nats ahead of "L" with a float32 cache,
 # 0.26 behind with a bfloat16 or float16 one).
 GGUF_CPU_KV_CACHE = "auto"
@@ -56,8 +56,8 @@ def resolve_precision(dtype: str | torch.dtype, kv_cache_dtype: str, checkpoint_
 
     The one rule beyond ``resolve_dtype``: on the CPU such a GGUF computes in float32 for dtype "auto" (as
     llama.cpp does), its cache ``GGUF_CPU_KV_CACHE`` for kv_cache_dtype "auto". Its weights stay in their blocks
-    whatever the activations, so float32 costs no weight memory and no speed (a batch-1 decode step at 300
-    tokens: 6.3 ms against 6.8 in bfloat16, the machine above), while bfloat16 activations flip the default
+    whatever the activations, so float32 costs no weight memory and no speed at batch 1 (a decode step at 300
+    tokens: 5.31 ms either way, the machine above; 35.8 against 31.0 ms at batch 16), while bfloat16 activations flip the default
     model's near-ties (France's capital again). An explicit dtype keeps its own cache ("auto": that dtype)."""
     if dtype == "auto" and gguf_blocks and device.type == "cpu":
         return Precision(torch.float32, GGUF_CPU_KV_CACHE if kv_cache_dtype == "auto" else kv_cache_dtype)
