@@ -25,6 +25,7 @@ _EXPORTS = {
     "CompletionOutput": "paged_runtime.outputs",
     "PoolingParams": "paged_runtime.pooling_params",
     "EmbeddingRequestOutput": "paged_runtime.outputs",
+    "LoRARequest": "paged_runtime.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from paged_runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from paged_runtime.engine.client import EngineClient
     from paged_runtime.entrypoints.llm import LLM
+    from paged_runtime.lora.request import LoRARequest
     from paged_runtime.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from paged_runtime.pooling_params import PoolingParams
     from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams

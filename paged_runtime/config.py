@@ -15,6 +15,7 @@ from typing import Any
 from paged_runtime.settings import (CollectPaths, ExtendOrigins, check_settings, from_source, parse_bytes,
                                     parse_switch, parse_words, read_chat_template, setting)
 from paged_runtime.core.kv_events import KVEventsConfig
+from paged_runtime.lora.request import LoRAConfig, parse_lora_module_list, parse_lora_modules
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.pooling_params import POOLING_TYPES, RUNNERS, parse_runner
 
@@ -147,6 +148,14 @@ class EngineConfig:
     distributed_executor_backend: str | None = setting(
         None, "how the workers run: local processes (mp, the default on one machine) or Ray actors (ray: any node; "
         "the default inside a Ray cluster)", choices=("mp", "ray"), group="parallelism")
+    enable_lora: bool = setting(False, "serve LoRA adapters over the model (PEFT folders: --lora-modules, "
+                                "/v1/load_lora_adapter, LLM's lora_request)", group="lora")
+    max_loras: int = setting(1, "most distinct adapters in one step (their slots are kept on the device)", ge=1,
+                             group="lora")
+    max_lora_rank: int = setting(16, "the largest adapter rank a slot holds (a larger one is refused at load)",
+                                 ge=1, group="lora")
+    max_cpu_loras: int | None = setting(None, "adapters kept in host memory besides the device's slots, least "
+                                        "recently used out; None: max_loras", ge=1, group="lora")
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -157,6 +166,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         self._check_parallel()
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.async_scheduling and self.speculative_config is not None:
             # A verifying step's accepted count decides where the next one starts: nothing can be scheduled
             # behind it, and drafts need the previous token on the host (as vLLM, for its n-gram and draft models).
@@ -170,6 +181,11 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter bounds the workers and the scheduler keep, or None: LoRA is off."""
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
     @property
     def served_model_names(self) -> list[str]:
@@ -263,6 +279,16 @@ class ServerConfig:
     disable_log_stats: bool = setting(False, "no periodic throughput log line", group="logging")
     log_stats_interval: float = setting(10.0, "seconds between stats log lines", gt=0, group="logging")
     log_level: str = setting("info", "the runtime's log level", choices=LOG_LEVELS, group="logging")
+    lora_modules: list[str] | None = setting(
+        None, "adapters served from the start, each name=path or vLLM's JSON {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...} (needs --enable-lora)", parse=parse_lora_module_list, metavar="NAME=PATH",
+        group="lora")
+    allow_runtime_lora_updating: bool = setting(
+        False, "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter", parse=parse_switch,
+        env=("PAGED_RUNTIME_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"), group="lora")
+    dynamic_lora_loading_path: str | None = setting(
+        None, "a folder of adapter folders: a request whose model names one (or base:name) loads it on first use",
+        metavar="DIR", group="lora")
     uvicorn_log_level: str | None = setting(None, "uvicorn's log level (its access log is at info); None: "
                                                   "--log-level", choices=("critical", "error", "warning", "info",
                                                                           "debug", "trace"),
@@ -270,6 +296,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)  # (the chat options' combination: entrypoints/openai's ChatOptions, at start-up)
+        parse_lora_modules(self.lora_modules or [])  # a malformed entry is an error at start-up
 
     @classmethod
     def from_attributes(cls, source: Any, **overrides: Any) -> ServerConfig:

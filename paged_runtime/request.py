@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import SamplingParams
 
@@ -70,6 +71,7 @@ class Request:
     # A pooling request (prefill only, never samples: finished once its prompt is computed). MEAN and CLS
     # pooling read rows before the last, so they never start from prefix-cache hits (``pooling_params``' rule).
     pooling: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -86,13 +88,22 @@ class Request:
         child = Request(request_id, self.prompt_token_ids, self.params, self.arrival,
                         self.max_tokens, self.eos_token_ids, self.prompt, self.priority, self.cache_salt,
                         group_id=self.group_id, index=index, speculative=self.speculative,
-                        skip_prefix_cache=self.skip_prefix_cache)
+                        skip_prefix_cache=self.skip_prefix_cache, lora_request=self.lora_request)
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
         return child
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,8 +6,8 @@ A full block's hash is ``H((parent, tuple(token_ids), extra_keys))``:
 - ``parent``: the previous block's hash; for a request's first block, ``none_hash``, which is
   ``H(PYTHONHASHSEED)`` (the variable's text) when that variable is set and 32 random bytes otherwise
   (vLLM's ``NONE_HASH``: processes share hashes only through a shared ``PYTHONHASHSEED``);
-- ``extra_keys``: None, or a tuple; here ``(cache_salt,)`` on a request's first block only (vLLM puts the
-  salt in the first block's extra keys after LoRA and multimodal keys, which this runtime has none of); the
+- ``extra_keys``: None, or a tuple: the request's adapter name (LoRA) on every block, then ``cache_salt`` on its
+  first block only (vLLM's order, with no multimodal keys between them: this runtime has none); the
   chain carries it into every later block;
 - ``H``: ``sha256`` is SHA-256 of the tuple pickled with the highest protocol (vLLM's default; Python's own
   serialization), ``sha256_cbor`` SHA-256 of its canonical CBOR (``cbor2.dumps(..., canonical=True)``:
@@ -62,9 +62,11 @@ class BlockHasher:
         return self.hash((self.none_hash if parent is None else parent, tuple(token_ids), extra_keys))
 
 
-def first_block_extra_keys(cache_salt: str | None) -> tuple | None:
-    """A request's first block's extra keys; later blocks have none."""
-    return (cache_salt,) if cache_salt else None
+def block_extra_keys(index: int, lora_name: str | None, cache_salt: str | None) -> tuple | None:
+    """Block ``index``'s extra keys: the adapter's name on every block (vLLM's LoRA key: two adapters never
+    share KV, one adapter always can), then the cache salt on the first; None when there are none."""
+    keys = ((lora_name,) if lora_name else ()) + ((cache_salt,) if cache_salt and index == 0 else ())
+    return keys or None
 
 
 def external_hash_form() -> Callable[[bytes], int | bytes]:

@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from paged_runtime.core.block_hash import BlockHasher, first_block_extra_keys
+from paged_runtime.core.block_hash import BlockHasher, block_extra_keys
 from paged_runtime.core.block_pool import BlockPool, KVBlock
 from paged_runtime.core.kv_events import KVEventRecorder
 from paged_runtime.request import Request
@@ -157,12 +157,13 @@ class KVCacheManager:
 
     def _record_stored(self, request: Request, i: int) -> None:
         hashes, bs = request.block_hashes, self.block_size
-        self.events.stored(hashes[i], hashes[i - 1] if i else None, request.all_token_ids[i * bs:(i + 1) * bs])
+        self.events.stored(hashes[i], hashes[i - 1] if i else None, request.all_token_ids[i * bs:(i + 1) * bs],
+                           request.lora_id or None, request.lora_name)
 
     def _hash_full_blocks(self, request: Request) -> None:
         bs, hashes = self.block_size, request.block_hashes
         for i in range(len(hashes), request.num_tokens // bs):
-            extra_keys = None if i else first_block_extra_keys(request.cache_salt)
+            extra_keys = block_extra_keys(i, request.lora_name, request.cache_salt)
             hashes.append(self.hasher(hashes[-1] if hashes else None, request.all_token_ids[i * bs:(i + 1) * bs],
                                       extra_keys))
 

@@ -13,8 +13,8 @@ Events (vLLM's ``vllm/distributed/kv_events.py``; tags are the class names, fiel
 - ``AllBlocksCleared()``: the prefix cache was reset; every hash is gone.
 
 ``medium`` is ``"GPU"``, vLLM's name for the engine's own KV cache whatever the device (``"CPU"`` there means
-an offloading tier, which this runtime has none of); there is no LoRA, so ``lora_id`` and ``lora_name`` are
-None. The fields vLLM appended later, each defaulting to None (``extra_keys``, ``group_idx``,
+an offloading tier, which this runtime has none of); ``lora_id`` and ``lora_name`` name the adapter whose KV the
+blocks hold (None: the base model's). The fields vLLM appended later, each defaulting to None (``extra_keys``, ``group_idx``,
 ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``), are left out: a decoder of either layout reads an
 absent one as its default (msgspec's structs; llm-d's positional structs end at ``lora_name``), and the
 first-block extra keys would publish cache salts. (msgspec writes every field of an ``array_like`` struct,
@@ -116,12 +116,14 @@ class BlockStored:
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
 
     def wire(self, external: Callable[[bytes], Any]) -> list[Any]:
         """The values of ``WIRE_FIELDS[TAG]``, hashes in their ``external`` form."""
         parent = None if self.parent_block_hash is None else external(self.parent_block_hash)
-        return [[external(h) for h in self.block_hashes], parent, self.token_ids, self.block_size, None, MEDIUM_GPU,
-                None]
+        return [[external(h) for h in self.block_hashes], parent, self.token_ids, self.block_size, self.lora_id,
+                MEDIUM_GPU, self.lora_name]
 
 
 @dataclass(slots=True)
@@ -155,13 +157,16 @@ class KVEventRecorder:
         self.block_size = block_size
         self._events: list[KVEvent] = []
 
-    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int]) -> None:
+    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int], lora_id: int | None = None,
+               lora_name: str | None = None) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+        if (isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent
+                and last.lora_id == lora_id):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
         else:
-            self._events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size))
+            self._events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, lora_id,
+                                            lora_name))
 
     def removed(self, block_hash: bytes) -> None:
         last = self._events[-1] if self._events else None

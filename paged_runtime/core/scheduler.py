@@ -45,6 +45,11 @@ prompt at once) a waiting request is admitted only with its whole prompt; one th
 budget left is passed over for this step (those behind it may fit). The engine makes the budget cover
 ``max_model_len``, so a request first in line always fits a step of its own.
 
+LoRA (``max_loras``): the running requests use at most ``max_loras`` distinct adapters (the base model is
+none), so no step needs more adapter slots than the workers have. A waiting request whose adapter would be one
+too many waits first in line: nothing behind it is admitted until a running adapter's last request finishes and
+it gets in, as for blocks, so no request starves behind a stream of others'.
+
 LongRoPE (``rope_switch``, Phi-3.5 / Phi-4-mini): the model rotates a request by one set of tables while
 it is at most ``rope_switch`` tokens long and by another, throughout, once it is longer (as transformers'
 generate). A request that grows past it is recomputed from scratch (like a preemption, uncounted), and a
@@ -97,7 +102,7 @@ def _salt_long_rope(request: Request) -> None:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", speculator: Speculator | None = None, max_model_len: int | None = None,
-                 rope_switch: int | None = None, chunked_prefill: bool = True) -> None:
+                 rope_switch: int | None = None, chunked_prefill: bool = True, max_loras: int | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
@@ -117,6 +122,7 @@ class Scheduler:
         self.rope_switch = rope_switch  # the model's LongRoPE switch length (None: it has none)
         self._in_flight: dict[str, ScheduledRequest] = {}  # items scheduled whose output is not in yet
         self.chunked_prefill = chunked_prefill  # False: a prompt is admitted whole or not at all
+        self.max_loras = max_loras  # most distinct adapters among the running requests (None: LoRA is off)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -253,6 +259,8 @@ class Scheduler:
                 continue
             if seats and seats + 1 + request.num_pending_forks > self.max_num_seqs:
                 break  # an oversized group (seats == 0) goes in alone rather than never
+            if self._needs_adapter_slot(request):
+                break  # it waits, first in line, for a running adapter to finish: no later request passes it
             computed, num_computed = self.kv_cache.get_computed_blocks(request)
             if not self.chunked_prefill and self._num_wanted(request, num_computed) > budget:
                 position += 1  # its whole prompt does not fit what is left of this step
@@ -278,6 +286,16 @@ class Scheduler:
             if num_new:  # 0 when the fork point is right at admission: it forks next step
                 scheduled.append(self._schedule(request, num_new))
             budget -= num_new
+
+    def running_adapters(self) -> set[int]:
+        return {r.lora_id for r in self.running if r.lora_id}
+
+    def _needs_adapter_slot(self, request: Request) -> bool:
+        """``request``'s adapter is not running and ``max_loras`` already are (a step never holds more)."""
+        if not request.lora_id or self.max_loras is None:
+            return False
+        running = self.running_adapters()
+        return request.lora_id not in running and len(running) >= self.max_loras
 
     def _never_fits(self, request: Request) -> str | None:
         """Why ``request`` could never run (its tokens alone exceed the context or the whole cache), or None."""
@@ -316,7 +334,7 @@ class Scheduler:
             self._known_to_runner.add(item.request_id)
             item.new_request = NewRequestData(request.request_id, list(request.all_token_ids),
                                               request.num_prompt_tokens, request.params, request.index,
-                                              request.eos_token_ids, request.pooling)
+                                              request.eos_token_ids, request.pooling, request.lora_request)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int | None]:
         """Draft tokens to verify after a decoding request's last token (none when not speculating)."""

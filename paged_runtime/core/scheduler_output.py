@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class NewRequestData:
     index: int  # the sequence's index in its parallel-sampling group: its seed is params.seed + index
     eos_token_ids: frozenset[int]
     pooling: PoolingParams | None = None  # a pooling request: the runner pools its prompt, never samples
+    lora_request: LoRARequest | None = None  # the adapter its rows run with
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ Cancellation contract
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import itertools
@@ -50,8 +51,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from paged_runtime.config import EngineConfig
 from paged_runtime.engine.client import EngineDeadError, EngineOverloadedError, EngineStats, RequestFailedError
@@ -59,6 +61,7 @@ from paged_runtime.engine.core import CoreStats
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import ProcessedPrompt, Processor, PromptType
 from paged_runtime.engine.watchdog import StepWatchdog
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.metrics import FinishedRequestStats, IterationStats, StatLogger
 from paged_runtime.outputs import CompletionOutput, RequestOutput
 from paged_runtime.pooling_params import PoolingParams, check_runner, request_pooling
@@ -189,6 +192,7 @@ class _Submitted:
     priority: int
     cache_salt: str | None
     pooling: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -236,6 +240,7 @@ class AsyncEngine:
         self._stopping = False
         self._max_num_seqs_target: int | None = None  # a live change not yet fully applied; guarded by _cond
         self._reset_prefix_cache = False  # asked for, not yet done; guarded by _cond
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # for the loop; under _cond
         self._busy = False  # the engine has unfinished requests; read and written by the loop thread only
         self._unflushed = False  # the last pass did work; the loggers get one idle pass later (loop thread only)
         # Backpressure counts, guarded by _cond: the scheduler's queue as of the last look, and requests
@@ -316,7 +321,7 @@ class AsyncEngine:
     # ---- the caller's side (any event loop) -----------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    pooling: PoolingParams | None = None) -> RequestStream:
+                    pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue a request; returns its stream. Call from a coroutine (it binds the running loop).
 
         Raises ValueError (bad prompt or parameters, id in use), EngineOverloadedError, EngineDeadError.
@@ -334,18 +339,20 @@ class AsyncEngine:
             stream = RequestStream(request_id, key, loop, self, params.output_kind)
             self._tracked[key] = _Tracked(stream, time.monotonic(), len(processed.token_ids))
             self._live[request_id] = key
-            self._inbox.append(_Submitted(key, processed, params, priority, cache_salt, pooling))
+            self._inbox.append(_Submitted(key, processed, params, priority, cache_salt, pooling, lora_request))
             self._cond.notify()
         return stream
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                        request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                       pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+                       pooling: PoolingParams | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has ``finished`` set.
 
         Leaving the loop early (or cancelling the task) aborts the request.
         """
-        stream = self.add_request(request_id or uuid.uuid4().hex, prompt, params, priority, cache_salt, pooling)
+        stream = self.add_request(request_id or uuid.uuid4().hex, prompt, params, priority, cache_salt, pooling,
+                                  lora_request)
         try:
             async for output in stream:
                 yield output
@@ -406,6 +413,27 @@ class AsyncEngine:
             self._reset_prefix_cache = True
             self._cond.notify()
 
+    # ---- adapters (the loop thread reads them: the engine's executor is its alone) ---------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on every worker; ``LoRAError`` says why it cannot run."""
+        await self._on_loop(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter once its running requests finish; False if it was not held."""
+        return await self._on_loop(lambda: self.engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._on_loop(self.engine.list_loras)
+
+    async def _on_loop(self, call: Callable[[], Any]) -> Any:
+        """``call()``'s result, run on the loop thread between passes."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._check_alive()
+            self._calls.append((call, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
     @property
     def num_unfinished_requests(self) -> int:
         with self._cond:
@@ -440,7 +468,8 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._busy
-                           or self._max_num_seqs_target is not None or self._reset_prefix_cache):
+                           or self._max_num_seqs_target is not None or self._reset_prefix_cache
+                           or self._calls):
                     if not self._cond.wait(self.stats_flush_interval if self._unflushed else None):
                         break  # idle for a whole interval after activity: one empty pass flushes the loggers
                 if self._stopping or self.dead_error is not None:
@@ -448,10 +477,13 @@ class AsyncEngine:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 reset, self._reset_prefix_cache = self._reset_prefix_cache, False
+                calls, self._calls = self._calls, []
                 self._num_adding = len(inbox)
             with self._watchdog.watching() if self._watchdog else contextlib.nullcontext():
                 if reset:
                     self.engine.reset_prefix_cache()
+                for call, future in calls:
+                    _settle(future, call)
                 self._pass(inbox, aborts)
 
     def _pass(self, inbox: list[_Submitted], aborts: list[str]) -> None:
@@ -498,7 +530,8 @@ class AsyncEngine:
     def _add(self, inbox: list[_Submitted]) -> None:
         for s in inbox:
             try:
-                self.engine.add_request(s.key, s.prompt, s.params, s.priority, s.cache_salt, s.pooling)
+                self.engine.add_request(s.key, s.prompt, s.params, s.priority, s.cache_salt, s.pooling,
+                                        s.lora_request)
             except ValueError as e:  # e.g. an id still held by the engine: only this request fails
                 with self._cond:
                     tracked = self._untrack(s.key)
@@ -593,8 +626,11 @@ class AsyncEngine:
             self._tracked.clear()
             self._live.clear()
             self._inbox.clear()
+            calls, self._calls = self._calls, []
         for _, t in tracked:
             t.stream.put(error)
+        for _, future in calls:
+            future.set_exception(error)
         if not release:
             return
         try:  # give the blocks back and show it in the metrics, if the engine still can
@@ -644,3 +680,11 @@ def _aborted_output(tracked: _Tracked) -> RequestOutput:
         c.finish_reason, c.delta_text, c.delta_token_ids, c.delta_logprobs = "abort", "", [], []
         outputs.append(c)
     return RequestOutput(tracked.stream.request_id, None, [], outputs, True)
+
+
+def _settle(future: concurrent.futures.Future, call: Callable[[], Any]) -> None:
+    """Run ``call`` into ``future`` (its result, or the exception it raised)."""
+    try:
+        future.set_result(call())
+    except Exception as e:
+        future.set_exception(e)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from paged_runtime.config import EngineConfig
     from paged_runtime.engine.processor import ProcessedPrompt, PromptType
+    from paged_runtime.lora.request import LoRARequest
     from paged_runtime.outputs import RequestOutput
     from paged_runtime.pooling_params import PoolingParams
     from paged_runtime.sampling_params import SamplingParams
@@ -115,21 +116,37 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    pooling: PoolingParams | None = None) -> RequestStream:
+                    pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and return its stream, or raise before anything is queued. ``pooling``: a pooling
         request (a pooling engine takes only these, a generating one none): one finished output whose
-        ``pooling`` holds its vector."""
+        ``pooling`` holds its vector. ``lora_request``: the adapter it runs with (``add_lora`` it first to hear
+        at once why an adapter cannot run; else the request fails with that reason)."""
         ...
 
     def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, cache_salt: str | None = None,
-                 pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+                 pooling: PoolingParams | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the iteration early aborts it."""
         ...
 
     async def abort(self, request_id: str) -> None:
         """Abort the live request with this id (unknown ids are ignored); its stream ends with finish_reason
         "abort"."""
+        ...
+
+    # ---- adapters (--enable-lora) ---------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on every worker (``LoRAError`` says why it cannot run); a no-op for one
+        already held."""
+        ...
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter once the requests running with it finish; False if it was not held."""
+        ...
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the adapters held."""
         ...
 
     # ---- state and control -------------------------------------------------------------------

@@ -52,6 +52,7 @@ from paged_runtime.pooling_params import folder_max_seq_length
 from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.structured_output.backend import GrammarBackend
+from paged_runtime.lora.request import LoRAError, LoRARequest
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, TokenLogprobs
 from paged_runtime.worker.worker import WorkerSpec
@@ -151,7 +152,10 @@ class EngineCore:
         self.kv_event_publisher = self._publisher(registry)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
-                                   rope_switch=info.rope_switch, chunked_prefill=not encoder)
+                                   rope_switch=info.rope_switch, chunked_prefill=not encoder,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.loras: dict[int, LoRARequest] = {}  # adapters the workers hold, by id
+        self._unloading: set[int] = set()  # removed adapters the workers keep until their last request leaves
         self.num_failed_steps_in_a_row = 0
         self._step_thread = ThreadPoolExecutor(1, "paged-runtime-step") if self._async_scheduling(spec) else None
         self._in_flight: tuple[SchedulerOutput, Future] | None = None  # the step launched, not yet applied
@@ -217,7 +221,46 @@ class EngineCore:
         self.kv_event_publisher.close()
 
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         self.scheduler.add_request(request)
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have every worker read and check the adapter (``LoRAError`` says why it cannot run); a no-op for one
+        already held. Its requests' KV is its own in the prefix cache (``block_hash.block_extra_keys``)."""
+        if not self.config.enable_lora:
+            raise LoRAError("LoRA is not enabled: start the engine with --enable-lora (LLM(enable_lora=True))")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None and known != lora_request:
+            raise LoRAError(f"adapter id {lora_request.lora_int_id} is already {known.lora_name!r}")
+        self._unloading.discard(lora_request.lora_int_id)
+        if known is None:
+            self._wait_in_flight()
+            self.executor.add_lora(lora_request)
+            self.loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; requests already running with it finish first (the workers drop it after the
+        last one leaves). False if it was not held."""
+        if lora_id not in self.loras or lora_id in self._unloading:
+            return False
+        self._unloading.add(lora_id)
+        self._drop_unused_loras()
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras) - self._unloading
+
+    def _drop_unused_loras(self) -> None:
+        if not self._unloading:
+            return
+        in_use = {r.lora_id for r in self.scheduler.requests.values()}
+        for lora_id in sorted(self._unloading - in_use):
+            self._wait_in_flight()
+            self.executor.remove_lora(lora_id)
+            del self.loras[lora_id]
+            self._unloading.discard(lora_id)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, status)
@@ -250,6 +293,7 @@ class EngineCore:
             return self._step(sync)
         finally:
             self._publish_kv_events()
+            self._drop_unused_loras()
 
     def _step(self, sync: bool) -> list[StepUpdate]:
         if self._step_thread is None or sync:

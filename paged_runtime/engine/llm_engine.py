@@ -53,6 +53,7 @@ from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.outputs import CompletionOutput, Logprob, PoolingOutput, PositionLogprobs, RequestOutput
 from paged_runtime.pooling_params import (PoolingParams, check_runner, folder_pooling_type, request_pooling,
                                           resolve_runner)
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.request import Request, RequestStatus, child_request_id
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
 from paged_runtime.worker.model_runner import TokenLogprobs
@@ -128,11 +129,13 @@ class LLMEngine:
         return request_pooling(self.pooling_type, self.hidden_size, self.config.normalize, dimensions, normalize)
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None, pooling: PoolingParams | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, pooling: PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. A prompt processed elsewhere (``ProcessedPrompt``) is re-checked cheaply against
         this engine (length, token ids, output budget, stop caps): ``ParameterError`` names the field,
         ValueError for an id in use. Nothing a step cannot run gets in. ``pooling``: a pooling request (only on
-        a ``--runner pooling`` engine, where every request is one)."""
+        a ``--runner pooling`` engine, where every request is one). ``lora_request``: the adapter it runs with
+        (read on first use; ``LoRAError`` where it cannot run)."""
         if request_id in self._group_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_runner(self.config.is_pooling, pooling)
@@ -147,7 +150,8 @@ class LLMEngine:
         arrival = next(self._arrivals)
         group_id = f"{arrival}"  # the engine's own: callers' ids never reach the core
         request = Request(group_id, processed.token_ids, params, arrival, processed.max_tokens,
-                          self.eos_token_ids, processed.prompt, priority, cache_salt, pooling=pooling)
+                          self.eos_token_ids, processed.prompt, priority, cache_salt, pooling=pooling,
+                          lora_request=lora_request)
         self.core.add_request(request)
         self._group_ids[request_id] = group_id
         self.states[group_id] = RequestState(request_id, group_id, processed.prompt, processed.token_ids, params,
@@ -232,6 +236,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their KV)."""
         self.core.reset_prefix_cache()
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on every worker (``LoRAError`` says why it cannot run)."""
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter once its running requests finish; False if it was not held."""
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
 
     def workers_alive(self) -> bool:
         """False once a worker process (or actor) is gone; safe from any thread (it only looks)."""

@@ -12,6 +12,7 @@ from paged_runtime.config import EngineConfig
 from paged_runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from paged_runtime.engine.llm_engine import LLMEngine
 from paged_runtime.engine.processor import PromptType
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -43,8 +44,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order. ``lora_request``: the adapter of
+        every prompt, or one per prompt (None: the base model); needs ``LLM(enable_lora=True)``."""
         if self.engine.config.is_pooling:
             raise ValueError("LLM.generate needs a generative model; this one runs with runner='pooling': use embed")
         prompts = _prompt_list(prompts)
@@ -52,7 +55,12 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(list(zip(prompts, params, priority)), use_tqdm)
+        adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} lora_requests for {len(prompts)} prompts")
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):
+            self.engine.add_lora(adapter)  # an adapter that cannot run is refused before anything is queued
+        return self._run(list(zip(prompts, params, priority)), use_tqdm, adapters=adapters)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
@@ -84,14 +92,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Applies the tokenizer's chat template (or ``chat_template``, Jinja text, as vLLM's) to one conversation
         or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self._apply_template(c, add_generation_prompt, chat_template_kwargs,
                                                              chat_template)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _apply_template(self, conversation: list[dict], add_generation_prompt: bool, kwargs: dict | None,
                         chat_template: str | None) -> list[int]:
@@ -103,13 +112,16 @@ class LLM:
         return tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, work: list[tuple[PromptType, SamplingParams, int]], use_tqdm: bool,
-             pooling: PoolingParams | None = None) -> list[RequestOutput]:
+             pooling: PoolingParams | None = None, adapters: list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         # Validate everything first so a bad prompt leaves nothing half-submitted.
         processed = [self.engine.process(p, sp) for p, sp, _ in work]
         request_ids = [f"llm-{next(self._ids)}" for _ in work]
         final_only = _final_only([params for _, params, _ in work])
-        for request_id, prompt, (_, params, priority) in zip(request_ids, processed, work):
-            self.engine.add_request(request_id, prompt, final_only[id(params)], priority, pooling=pooling)
+        adapters = adapters or [None] * len(work)
+        for request_id, prompt, (_, params, priority), adapter in zip(request_ids, processed, work, adapters):
+            self.engine.add_request(request_id, prompt, final_only[id(params)], priority, pooling=pooling,
+                                    lora_request=adapter)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(work), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:

@@ -58,6 +58,12 @@ class Executor:
     def use_grammars(self, grammars) -> None:
         self.call("use_grammars", grammars, driver_only=True)
 
+    def add_lora(self, request) -> None:
+        self.call("add_lora", request)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.call("remove_lora", lora_id)
+
     def check_health(self) -> None:
         """Raises ``ExecutorDead`` once a worker is gone (and stops the others)."""
         self.check_dead()

@@ -106,11 +106,18 @@ class LinearBase(nn.Module):
                  device: torch.device, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_size, self.output_size, self.method, self.tp = input_size, output_size, method, tp
+        self.lora = None  # this layer's adapter slots, once LoRA is enabled (layers/lora.py)
         method.create_weights(self, dtype, device)
         self.bias = empty_parameter(output_size, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        return self.with_lora(self.method.apply(self, x, self.bias), x)
+
+    def with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` (the product of ``x``) plus the step's adapters' delta, where this layer has slots."""
+        if self.lora is not None:
+            self.lora.add(y, x)
+        return y
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
@@ -183,8 +190,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # the bias inside the product: one rounding, as F.linear
-            return self.method.apply(self, x, self.bias)
-        out = self.tp.all_reduce(self.method.apply(self, x, None))
+            return self.with_lora(self.method.apply(self, x, self.bias), x)
+        # Each rank's share of the delta joins its partial product: the all-reduce sums them (layers/lora.py).
+        out = self.tp.all_reduce(self.with_lora(self.method.apply(self, x, None), x))
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

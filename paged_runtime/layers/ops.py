@@ -78,6 +78,26 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
+                   slices: tuple[int, ...]) -> None:
+        """LoRA's per-row delta, added to ``y`` [T, out] in place (punica's shrink, then expand by part): row t
+        of adapter slot s = ``row_slots[t]`` (-1: none) gets ``B_s (A_s x_t)``. ``a`` [S, N*R, in] holds each
+        slot's A of the layer's N parts stacked by rank rows (part i's at rows i*R ..), ``b`` [S, out, R] its B
+        (scaling folded in), ``slices`` the N parts' output widths: part i's outputs read part i's R ranks only.
+        Ranks below R are zero-padded, so they add exact zeros. Rows are grouped by slot: one product pair per
+        adapter in the step, in the model dtype (rounded as ``F.linear`` rounds), then one add per row."""
+        rank = b.shape[-1]
+        slots = row_slots.tolist()
+        for slot in sorted(set(slots) - {-1}):
+            rows = torch.tensor([t for t, s in enumerate(slots) if s == slot], device=x.device)
+            shrunk = F.linear(x.index_select(0, rows), a[slot])
+            parts, start = [], 0
+            for i, width in enumerate(slices):
+                parts.append(F.linear(shrunk[:, i * rank:(i + 1) * rank], b[slot, start:start + width]))
+                start += width
+            y.index_add_(0, rows, torch.cat(parts, dim=1))
+
     # Gemma's arithmetic. CpuKernelOps inherits these as they are (no kernel of its own for them).
     @staticmethod
     def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -206,13 +206,19 @@ class LlamaForCausalLM(nn.Module):
             return None
         if not name.startswith(("layers.", "embed_tokens.", "norm.", "lm_head.")):
             return None  # e.g. rotary inv_freq buffers in old checkpoints
-        module_path, _, param_name = name.rpartition(".")
+        module_name, _, param_name = name.rpartition(".")
+        module_path, shard = self.checkpoint_module(module_name)
+        return load_parameter(self, module_path, param_name, tensor, shard, name)
+
+    def checkpoint_module(self, module_name: str) -> tuple[str, str | int | None]:
+        """A checkpoint's module name (``model.layers.0.self_attn.q_proj``) -> (our module's path, its part in
+        a fused matrix, or None: the whole module). Weights and LoRA adapters (``lora/peft.py``) both map so."""
+        module_path = module_name.removeprefix("model.")
         parent, _, leaf = module_path.rpartition(".")
-        shard = None
         if leaf in self.FUSED:
             leaf, shard = self.FUSED[leaf]
-            module_path = f"{parent}.{leaf}"
-        return load_parameter(self, module_path, param_name, tensor, shard, name)
+            return f"{parent}.{leaf}", shard
+        return module_path, None
 
     def expected_weights(self) -> set[str]:
         return expected_parameters(self, skip=self.lm_head if self.config.tie_word_embeddings else None)

@@ -100,12 +100,13 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  seed: int, attention_backend: str, max_blocks_per_request: int,
                  drafter: DraftModelProposer | None = None, graphs: tuple[int, int] | None = None,
-                 samples: bool = True, kv_cache_dtype: str = "auto") -> None:
+                 samples: bool = True, kv_cache_dtype: str = "auto", lora=None) -> None:
         """``graphs``: (max_num_seqs, max_model_len) to capture CUDA graphs for decode steps (Triton backend
         on CUDA only; see ``cuda_graphs``); None runs every step eagerly. ``samples``: False on a rank of a
         parallel model that only computes its share of the forward pass (``execute`` returns None there:
         one rank samples, and the others learn the tokens from the scheduler's next step).
-        ``kv_cache_dtype``: auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 or int8 (``kernels.kv_quant``)."""
+        ``kv_cache_dtype``: auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 or int8 (``kernels.kv_quant``).
+        ``lora``: the model's adapter slots (``lora/slots.LoRASlots``), or None: LoRA is off."""
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         self.attention_backend = attention_backend
@@ -119,6 +120,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.drafter = drafter
+        self.lora = lora
         self.graphs = None
         if graphs is not None and attention_backend == "triton":
             self.graphs = DecodeGraphs(model, block_size, *graphs, device)
@@ -213,10 +215,13 @@ class ModelRunner:
         batch = build_batch(items, self.states.block_tables, self.block_size)
         meta = self.build_metadata(batch, self.device)
         input_ids, positions = to_device(self.device, batch.token_ids, self._rope_positions(model, items, batch))
-        hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None and model is self.model else None
+        # A step whose rows run adapters goes op by op: the captured and compiled steps add no LoRA delta.
+        whole = self.lora is None or self.lora.step.row_slots is None or model is not self.model
+        hidden = self.graphs.run(input_ids, positions, meta) if (
+            self.graphs is not None and model is self.model and whole) else None
         if hidden is not None:
             return hidden
-        plan = self.cpu_plans.get(model)
+        plan = self.cpu_plans.get(model) if whole else None
         return model(input_ids, positions, meta, plan.decoder(meta) if plan is not None else None)
 
     def _rope_positions(self, model, items: list[BatchItem], batch) -> np.ndarray:
@@ -230,8 +235,11 @@ class ModelRunner:
 
     def _run(self, items: list[StepItem]) -> tuple[torch.Tensor, np.ndarray]:
         """The target's hidden states for the step, and each item's end row in them."""
+        counts = [s.num_scheduled for s in items]
+        if self.lora is not None:  # each row runs its request's adapter (the drafter's model has none)
+            self.lora.prepare(np.repeat([self.states[s.request_id].lora_id for s in items], counts))
         hidden = self.forward(self.model, [s.batch_item() for s in items])
-        return hidden, np.cumsum([s.num_scheduled for s in items])
+        return hidden, np.cumsum(counts)
 
     # ---- request state -----------------------------------------------------------
     def _step_items(self, scheduled: list[ScheduledRequest]) -> list[StepItem]:
@@ -264,6 +272,8 @@ class ModelRunner:
 
     def _step_item(self, s: ScheduledRequest) -> StepItem:
         """Bring the runner's state of ``s``'s request up to date; its item for this step."""
+        if s.new_request is not None and s.new_request.lora_request is not None:
+            self._know_adapter(s.new_request.lora_request)
         state = self.states.add(s.new_request) if s.new_request is not None else self.states[s.request_id]
         if s.block_ids_update is not None:
             self.states.update_blocks(state, *s.block_ids_update)
@@ -274,6 +284,13 @@ class ModelRunner:
                                f"{len(state.token_ids)} known")
         return StepItem(s.request_id, state.token_ids, state.row, s.start, s.num_new_tokens, list(s.spec_token_ids),
                         s.num_spec, s.samples)
+
+    def _know_adapter(self, lora_request) -> None:
+        """A new request's adapter, read here if the engine's ``add_lora`` did not reach this worker first."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine")
+        if lora_request.lora_int_id not in self.lora.requests:
+            self.lora.add(lora_request)
 
     def _spec_row(self, s: StepItem) -> SpecRow:
         state = self.states[s.request_id]

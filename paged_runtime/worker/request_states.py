@@ -63,6 +63,7 @@ class CachedRequest:
     # MEAN pooling: float32 sum of the prompt rows computed so far; CLS: the first prompt row (float32), kept until
     # the prompt's last chunk
     pool_partial: torch.Tensor | None = None
+    lora_id: int = 0  # the adapter its rows run with (0: the base model)
 
     @property
     def num_output_tokens(self) -> int:
@@ -123,7 +124,8 @@ class RequestStates:
         counts = OutputCounts() if p.has_penalties else None
         state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
                               grammar=self._grammar(p), blocked=self._blocked(p.allowed_token_ids),
-                              pooling=new.pooling)
+                              pooling=new.pooling,
+                              lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0)
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)

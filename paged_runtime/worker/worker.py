@@ -27,6 +27,7 @@ from paged_runtime.layers.ops import CpuKernelOps, select_ops
 from paged_runtime.layers.pipeline import WHOLE, PipelineStage
 from paged_runtime.models import registry
 from paged_runtime.models.loader import GGUF_TYPES, load_model
+from paged_runtime.lora.slots import LoRASlots
 from paged_runtime.spec_decode.draft_model import DraftModelProposer
 from paged_runtime.worker.kv_budget import bytes_per_block, free_memory, num_kv_blocks
 from paged_runtime.utils.devices import resolve_device
@@ -101,6 +102,8 @@ class Worker:
                                 config.quantization, self._gguf_kernels(spec.model_path))
         self.draft = None if spec.draft_path is None else load_model(spec.draft_path, spec.max_model_len, spec.dtype,
                                                                      self.device, self.ops)
+        self.lora = None if config.lora_config is None else LoRASlots(self.model, config.lora_config, self.ops,
+                                                                        spec.dtype, self.device)
         self.attention_backend = select_backend(self.device, isinstance(self.ops, CpuKernelOps),
                                                 config.attention_backend,
                                                 registry.family(self.model.config.architecture).encoder_only)
@@ -156,7 +159,8 @@ class Worker:
         max_blocks = -(-(spec.max_model_len + spec.lookahead) // c.block_size)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, self.device, spec.dtype, c.seed,
                                   self.attention_backend, max_blocks, drafter, graphs,
-                                  samples=self.placement.is_driver, kv_cache_dtype=spec.kv_cache_dtype)
+                                  samples=self.placement.is_driver, kv_cache_dtype=spec.kv_cache_dtype,
+                                  lora=self.lora)
 
     def execute(self, out):
         return self.runner.execute(out)
@@ -168,6 +172,13 @@ class Worker:
         self.runner.check_invariants(request_ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a sticky device error surfaces here
+
+    def add_lora(self, request) -> None:
+        """Read and check an adapter into host memory (``LoRAError`` says why it cannot run)."""
+        self.lora.add(request)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.lora.remove(lora_id)
 
     def use_grammars(self, grammars) -> None:
         """Structured-output constraints compile with ``grammars`` (the sampling rank's concern)."""
