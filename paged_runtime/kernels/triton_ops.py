@@ -1,6 +1,7 @@
 """The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv``, ``triton_paged_attention`` and the
 fused layer ops of ``TritonOps`` (``triton_rms_norm``, ``triton_add_rms_norm``, ``triton_rope_``,
-``triton_silu_mul``; ``kernels/fused.py``).
+``triton_silu_mul``; ``kernels/fused.py``), and LoRA's shrink and expand, ``triton_lora_delta``
+(``kernels/lora.py``).
 
 Defining the ops imports no Triton: each implementation imports its kernel module
 on first call (see ``paged_runtime.kernels`` for why). They are registered for
@@ -22,6 +23,7 @@ LIB.define("triton_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 LIB.define("triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
 LIB.define("triton_rope_(Tensor(a!) qkv, int num_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin) -> ()")
 LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
+LIB.define("triton_lora_delta(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, int[] slices) -> ()")
 
 
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -61,6 +63,12 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate_up)
 
 
+def _lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
+                slices: list[int]) -> None:
+    from paged_runtime.kernels.lora import lora_delta
+    lora_delta(y, x, a, b, row_slots, slices)
+
+
 LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
 LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping, kv_scale=None: None,
@@ -69,7 +77,7 @@ torch.library.register_fake("paged_runtime::triton_paged_attention",
                             lambda q, *args: torch.empty_like(q), lib=LIB)
 
 for _name, _impl in (("triton_rms_norm", _rms_norm), ("triton_add_rms_norm", _add_rms_norm),
-                     ("triton_rope_", _rope), ("triton_silu_mul", _silu_mul)):
+                     ("triton_rope_", _rope), ("triton_silu_mul", _silu_mul), ("triton_lora_delta", _lora_delta)):
     LIB.impl(_name, _impl, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=LIB)
 torch.library.register_fake("paged_runtime::triton_add_rms_norm",
@@ -77,6 +85,7 @@ torch.library.register_fake("paged_runtime::triton_add_rms_norm",
 torch.library.register_fake("paged_runtime::triton_rope_", lambda qkv, *args: None, lib=LIB)
 torch.library.register_fake("paged_runtime::triton_silu_mul",
                             lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2), lib=LIB)
+torch.library.register_fake("paged_runtime::triton_lora_delta", lambda y, *args: None, lib=LIB)
 
 store_kv = torch.ops.paged_runtime.triton_store_kv
 paged_attention = torch.ops.paged_runtime.triton_paged_attention
@@ -84,6 +93,7 @@ rms_norm = torch.ops.paged_runtime.triton_rms_norm
 add_rms_norm = torch.ops.paged_runtime.triton_add_rms_norm
 rope_ = torch.ops.paged_runtime.triton_rope_
 silu_mul = torch.ops.paged_runtime.triton_silu_mul
+lora_delta = torch.ops.paged_runtime.triton_lora_delta
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:

@@ -288,6 +288,13 @@ class TritonOps(TorchOps):
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_mul(gate_up.contiguous())
 
+    @staticmethod
+    def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
+                   slices: tuple[int, ...]) -> None:
+        """As ``TorchOps.lora_delta``, as two launches (shrink, expand) that read ``row_slots`` on the device: no
+        host sync, so a CUDA graph captures them with the slot table as an input."""
+        triton_ops.lora_delta(y, x.contiguous(), a, b, row_slots, list(slices))
+
 
 def _onednn_packing() -> bool:
     try:
