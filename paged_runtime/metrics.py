@@ -50,6 +50,14 @@ CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gp
                        "num_gpu_blocks", "num_cpu_blocks", "prefix_caching_hash_algo")
 
 
+@dataclass(frozen=True)
+class LoRAStats:
+    """The adapters of the requests running and waiting now, by name (vLLM's ``vllm:lora_requests_info``)."""
+    max_lora: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+
 @dataclass(slots=True)
 class IterationStats:
     """One pass of the step loop: where the engine stands afterwards, and what happened during it."""
@@ -71,6 +79,7 @@ class IterationStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    lora: LoRAStats | None = None  # None: LoRA is off
 
 
 class StatLogger(Protocol):
@@ -101,6 +110,7 @@ class _Families:
     decode_time: Histogram
     inference_time: Histogram
     cache_config: Gauge
+    lora_info: Gauge
     prompt_len: Histogram
     generation_len: Histogram
     spec_drafts: Counter
@@ -171,6 +181,9 @@ def _create_families(registry: CollectorRegistry) -> _Families:
         spec_accepted_per_pos=Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labelnames=label + ["position"],
                                       registry=registry),
+        lora_info=Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                        labelnames=["max_lora", "waiting_lora_adapters", "running_lora_adapters"] + label,
+                        registry=registry),
         kv_events_dropped=Counter("vllm:kv_events_dropped_batches",
                                   "KV-cache event batches dropped: the publisher's queue was full.", **kw),
     )
@@ -198,6 +211,7 @@ class PrometheusStatLogger:
         self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens = (
             c.labels(name) for c in (f.spec_drafts, f.spec_draft_tokens, f.spec_accepted_tokens))
         self.spec_positions: list[str] = []  # position labels bound so far
+        self.lora_labels: tuple[str, ...] | None = None  # the lora_requests_info series shown now
 
     def record_cache_config(self, info: dict[str, str]) -> None:
         labels = (self.model_name, *(str(info.get(key, "None")) for key in CACHE_CONFIG_LABELS))
@@ -216,6 +230,8 @@ class PrometheusStatLogger:
                                (self.spec_accepted_tokens, stats.num_spec_accepted_tokens)):
             if value:
                 counter.inc(value)
+        if stats.lora is not None:
+            self._record_lora(stats.lora)
         for position, accepted in enumerate(stats.spec_accepted_per_position):
             series = self.families.spec_accepted_per_pos.labels(self.model_name, str(position))
             if str(position) not in self.spec_positions:
@@ -239,6 +255,16 @@ class PrometheusStatLogger:
                 if value is not None:
                     histogram.observe(value)
 
+    def _record_lora(self, lora: LoRAStats) -> None:
+        """vLLM's info gauge: the adapters as comma-separated names in its labels, its value the time of the
+        update. One series at a time: the previous label set goes when the adapters change."""
+        labels = (str(lora.max_lora), ",".join(lora.waiting), ",".join(lora.running), self.model_name)
+        if labels != self.lora_labels:
+            if self.lora_labels is not None:
+                _remove(self.families.lora_info, *self.lora_labels)
+            self.lora_labels = labels
+        self.families.lora_info.labels(*labels).set_to_current_time()
+
     def close(self) -> None:
         """Drop this engine's series from the shared families (another engine may reuse the name later)."""
         f = self.families
@@ -249,6 +275,8 @@ class PrometheusStatLogger:
             _remove(family, self.model_name)
         if self.cache_config_labels is not None:
             _remove(f.cache_config, *self.cache_config_labels)
+        if self.lora_labels is not None:
+            _remove(f.lora_info, *self.lora_labels)
         for position in self.spec_positions:
             _remove(f.spec_accepted_per_pos, self.model_name, position)
         for reason in self.success:

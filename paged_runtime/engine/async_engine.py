@@ -652,6 +652,7 @@ def _finished(reason: str, tracked: _Tracked, now: float) -> FinishedRequestStat
 
 def _since(stats: IterationStats, now: CoreStats, before: CoreStats) -> None:
     stats.num_running, stats.num_waiting, stats.kv_cache_usage = now.num_running, now.num_waiting, now.kv_cache_usage
+    stats.lora = now.lora
     stats.num_preemptions = now.num_preemptions - before.num_preemptions
     stats.num_prefix_queries = now.num_prefix_queries - before.num_prefix_queries
     stats.num_prefix_hits = now.num_prefix_hits - before.num_prefix_hits

@@ -53,6 +53,7 @@ from paged_runtime.spec_decode.config import SpeculativeConfig
 from paged_runtime.spec_decode.speculator import Speculator
 from paged_runtime.structured_output.backend import GrammarBackend
 from paged_runtime.lora.request import LoRAError, LoRARequest
+from paged_runtime.metrics import LoRAStats
 from paged_runtime.request import Request, RequestStatus
 from paged_runtime.worker.model_runner import ModelRunner, RequestSetupError, TokenLogprobs
 from paged_runtime.worker.worker import WorkerSpec
@@ -99,6 +100,7 @@ class CoreStats:
     num_prefix_queries: int  # tokens looked up in the prefix cache
     num_prefix_hits: int  # tokens found there
     spec: SpecDecodeStats  # a copy: the core goes on counting into its own
+    lora: LoRAStats | None = None  # the adapters running and waiting (None: LoRA is off)
 
 
 @dataclass(slots=True)
@@ -416,7 +418,15 @@ class EngineCore:
         kv = self.kv_cache
         return CoreStats(self.scheduler.num_running, self.scheduler.num_waiting, kv.usage(),
                          self.scheduler.num_preemptions, kv.num_queried_tokens, kv.num_hit_tokens,
-                         self.spec_stats.copy())
+                         self.spec_stats.copy(), self._lora_stats())
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if not self.config.enable_lora:
+            return None
+        scheduler = self.scheduler
+        names = [sorted({r.lora_name for r in queue if r.lora_name}) for queue in (scheduler.running,
+                                                                                   scheduler.waiting)]
+        return LoRAStats(self.config.max_loras, tuple(names[0]), tuple(names[1]))
 
     def _record_spec(self, out: SchedulerOutput, sampled: list[list[int]]) -> None:
         # Only the step knows how many drafts each verification accepted: count them as they happen.

@@ -95,6 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         from paged_runtime.entrypoints.openai import app_options
         options = app_options(server, bind_host=server.host)  # a flag that cannot work fails before loading
+        options["enable_lora"] = any(config.enable_lora for config in configs)
         served = make_engine(configs[0], server) if len(configs) == 1 else make_model_set(configs, server)
     except (ValueError, RuntimeError) as e:
         print(f"paged-runtime serve: error: {e}", file=sys.stderr)

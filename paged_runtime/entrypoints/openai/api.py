@@ -33,15 +33,16 @@ against it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import BaseModel
@@ -50,14 +51,16 @@ from starlette.types import Receive, Scope, Send
 from paged_runtime.config import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
                                   DEFAULT_RESPONSES_STORE_MAX_BYTES, DEFAULT_RESPONSES_STORE_MAX_ENTRIES, ServerConfig)
 from paged_runtime.engine.client import EngineClient
+from paged_runtime.lora.request import parse_lora_modules
 from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard, Tenant, trusted_hosts
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware
 from paged_runtime.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, OpenAIError, bad_request, from_exception,
                                                     parse_json, payload_too_large, unsupported_media_type)
+from paged_runtime.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_runtime.entrypoints.openai.model_set import ModelSet
 from paged_runtime.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                       EmbeddingRequest, ModelNameRequest, ResponsesRequest,
-                                                       TokenizeRequest)
+                                                       EmbeddingRequest, LoadLoRAAdapterRequest, ModelNameRequest,
+                                                       ResponsesRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from paged_runtime.entrypoints.openai.response_store import ResponseStore
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, StreamingResult
 from paged_runtime.entrypoints.openai.serving_chat import ChatOptions, ChatServing
@@ -194,7 +197,9 @@ def app_options(server: ServerConfig, bind_host: str | None = None) -> dict[str,
             "chat_options": ChatOptions(server.enable_auto_tool_choice, server.tool_call_parser,
                                         server.reasoning_parser),
             "responses_store_max_entries": server.responses_store_max_entries,
-            "responses_store_max_bytes": server.responses_store_max_bytes}
+            "responses_store_max_bytes": server.responses_store_max_bytes,
+            "lora_modules": server.lora_modules, "allow_runtime_lora_updating": server.allow_runtime_lora_updating,
+            "dynamic_lora_loading_path": server.dynamic_lora_loading_path}
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,10 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
                  metrics_require_api_key: bool = False, chat_template: str | None = None,
                  chat_options: ChatOptions | None = None, enable_prompt_tokens_details: bool = False,
                  responses_store_max_entries: int = DEFAULT_RESPONSES_STORE_MAX_ENTRIES,
-                 responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES) -> APIRouter:
+                 responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES,
+                 enable_lora: bool | None = None, lora_modules: Sequence[str] | None = None,
+                 allow_runtime_lora_updating: bool = False, dynamic_lora_loading_path: str | None = None
+                 ) -> APIRouter:
     """All routes over ``engine``, or over each model of a ``ModelSet`` (``model_set.py``: a request goes to the
     model it names; ``served_model_names`` and ``model_root`` then come from the set). ``chat_template``:
     Jinja text that replaces the tokenizer's chat template (chat completions and /tokenize;
@@ -231,25 +239,34 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
     and ``max_prompts_per_request`` (a completions ``prompt`` list; 400 beyond) bound one request;
     ``metrics_require_api_key`` puts /metrics behind the key; ``enable_prompt_tokens_details``: usage reports
     ``cached_tokens``. ``responses_store_*``: the bounds of the stored responses of /v1/responses
-    (``response_store.py``; 0: nothing is stored)."""
+    (``response_store.py``; 0: nothing is stored). LoRA adapters (``lora_adapters.py``): ``lora_modules``
+    (--lora-modules), ``allow_runtime_lora_updating`` (the load / unload routes), ``dynamic_lora_loading_path``;
+    ``enable_lora`` None: whether the engines serve LoRA (their configs say)."""
     from paged_runtime import __version__
     models = engine if isinstance(engine, ModelSet) else ModelSet.single(
         engine, served_model_names or engine.config.served_model_names, model_root or engine.model_root)
     limits = RequestLimits(max_request_body_bytes, max_prompts_per_request)
     stored = StoredResponses(ResponseStore(responses_store_max_entries, responses_store_max_bytes))
 
+    adapters = LoRAAdapters([m.names[0] for m in models.models], parse_lora_modules(lora_modules or []),
+                            _serves_lora(models) if enable_lora is None else enable_lora,
+                            allow_runtime_lora_updating, dynamic_lora_loading_path)
+
     def make_routes(model_engine: EngineClient, names: list[str]) -> ModelRoutes:
-        details = enable_prompt_tokens_details
+        common = dict(prompt_tokens_details=enable_prompt_tokens_details, adapters=adapters)
         return ModelRoutes(
-            model_engine, CompletionServing(model_engine, names, limits, prompt_tokens_details=details),
-            ChatServing(model_engine, names, limits, chat_template, chat_options, prompt_tokens_details=details),
-            ResponsesServing(model_engine, names, limits, chat_template, chat_options, prompt_tokens_details=details,
-                             responses=stored),
-            EmbeddingServing(model_engine, names, limits))
+            model_engine, CompletionServing(model_engine, names, limits, **common),
+            ChatServing(model_engine, names, limits, chat_template, chat_options, **common),
+            ResponsesServing(model_engine, names, limits, chat_template, chat_options, responses=stored, **common),
+            EmbeddingServing(model_engine, names, limits, adapters=adapters))
 
     models.bind(make_routes)
     created = int(time.time())
     router = APIRouter(route_class=OpenAIRoute)
+
+    async def read_static_adapters() -> None:  # at start-up: a --lora-modules adapter that cannot run fails it
+        await adapters.check_static(models.loaded_engine)
+    router.on_startup.append(read_static_adapters)
     keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys(api_key)
     authenticate = authenticator(keys)
     auth = [Depends(authenticate)]
@@ -260,11 +277,21 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
         body.cache_salt = tenant.cache_salt(body.cache_salt)
         return body
 
+    @contextlib.asynccontextmanager
+    async def routes_for(requested: str | None) -> AsyncIterator[ModelRoutes]:
+        """``models.use`` of the model a request names, or of an adapter's base model (the adapter read first,
+        where it loads on first use: ``lora_adapters.py``)."""
+        base, adapter = adapters.split(requested)
+        async with models.use(base) as routes:
+            if adapter is not None:
+                await adapters.ensure(routes.engine, base, adapter)
+            yield routes
+
     async def answer(request: Request, model: str | None, work: Callable[[ModelRoutes], Awaitable[Any]]) -> Response:
         """``work`` on the routes of the model the request names (loaded first, if need be), raced against the
         client's disconnect; a generate route's SSE stream or whole body, or an embeddings body."""
         async def run() -> Response:
-            async with models.use(model) as routes:
+            async with routes_for(model) as routes:
                 result = await work(routes)
             return SSEResponse(result) if isinstance(result, StreamingResult) else JSONResponse(result)
 
@@ -322,18 +349,34 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
     @router.post("/v1/completions/render")
     async def render_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> list:
         body = await parse_as(request, CompletionRequest, tenant)
-        async with models.use(body.model) as routes:
+        async with routes_for(body.model) as routes:
             return await routes.completions.render_request(body)
 
     @router.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request, tenant: Tenant = Depends(authenticate)) -> dict:
         body = await parse_as(request, ChatCompletionRequest, tenant)
-        async with models.use(body.model) as routes:
+        async with routes_for(body.model) as routes:
             return await routes.chat.render_request(body)
 
     @router.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
-        return {"object": "list", "data": models.listing(created)}
+        return {"object": "list", "data": models.listing(created) + adapters.listing(created)}
+
+    if adapters.allow_updates:
+        @router.post("/v1/load_lora_adapter", dependencies=auth)
+        async def load_lora_adapter(request: Request) -> Response:
+            """vLLM's route: read, check and register an adapter (400 with the reason where it cannot run)."""
+            body = await _parse(request, LoadLoRAAdapterRequest, max_body)
+            async with models.use(body.base_model_name or adapters.base_names[0]) as routes:
+                await adapters.load(routes.engine, body.lora_name, body.lora_path, body.base_model_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @router.post("/v1/unload_lora_adapter", dependencies=auth)
+        async def unload_lora_adapter(request: Request) -> Response:
+            """vLLM's route: new requests for the adapter get 404 at once; those running finish."""
+            body = await _parse(request, UnloadLoRAAdapterRequest, max_body)
+            await adapters.unload(models.loaded_engine, body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     if models.can_unload:
         @router.post("/models/load", dependencies=auth)
@@ -369,13 +412,13 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
     @router.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict:
         body = await _parse(request, TokenizeRequest, max_body)
-        async with models.use(body.model) as routes:
+        async with routes_for(body.model) as routes:
             return await routes.chat.tokenizer_worker.run(_tokenize, routes.chat, body)
 
     @router.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict:
         body = await _parse(request, DetokenizeRequest, max_body)
-        async with models.use(body.model) as routes:
+        async with routes_for(body.model) as routes:
             return await routes.chat.tokenizer_worker.run(_detokenize, routes.chat, body)
 
     if include_metrics:
@@ -386,6 +429,10 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
             return Response(generate_latest(source), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def _serves_lora(models: ModelSet) -> bool:
+    return any(m.engine is not None and m.engine.config.enable_lora for m in models.models)
 
 
 def _model_field(req: ModelNameRequest) -> str:
@@ -421,36 +468,20 @@ def _detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict:
     return {"prompt": serving.tokenizer_worker.tokenizer.decode(req.tokens)}
 
 
-def build_app(engine: EngineClient, served_model_names: Sequence[str] | None = None, *,
-              api_key: str | Sequence[str] | ApiKeys | None = None, registry: CollectorRegistry | None = None,
-              model_root: str | None = None, include_metrics: bool = True,
-              allowed_origins: Sequence[str] | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              metrics_require_api_key: bool = False, drain: Drain | None = None,
-              chat_template: str | None = None, chat_options: ChatOptions | None = None,
-              enable_prompt_tokens_details: bool = False, allowed_hosts: Sequence[str] | None = None,
-              responses_store_max_entries: int = DEFAULT_RESPONSES_STORE_MAX_ENTRIES,
-              responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES) -> FastAPI:
+def build_app(engine: EngineClient | ModelSet, served_model_names: Sequence[str] | None = None, *,
+              allowed_origins: Sequence[str] | None = None, drain: Drain | None = None,
+              allowed_hosts: Sequence[str] | None = None, **router_options: Any) -> FastAPI:
     """A FastAPI app serving ``build_router``'s routes; it does not own the engine (the caller shuts it down).
 
     ``allowed_origins``: CORS for exactly these origins (Starlette's CORSMiddleware); None or empty: no
     CORS, so browsers refuse cross-origin reads and preflights. ``drain``: while it drains, every request is a
     503 ``server_shutting_down`` (see ``drain.py``). ``allowed_hosts``: answer only requests whose Host is a
     loopback name or one of these (``access.HostGuard``; ``trusted_hosts`` says when); None: any Host.
-    The other keywords are build_router's.
+    The other keywords are ``build_router``'s.
     """
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
-    app.include_router(build_router(engine, served_model_names, api_key=api_key, registry=registry,
-                                    model_root=model_root, include_metrics=include_metrics,
-                                    max_request_body_bytes=max_request_body_bytes,
-                                    max_prompts_per_request=max_prompts_per_request,
-                                    metrics_require_api_key=metrics_require_api_key, chat_template=chat_template,
-                                    chat_options=chat_options,
-                                    enable_prompt_tokens_details=enable_prompt_tokens_details,
-                                    responses_store_max_entries=responses_store_max_entries,
-                                    responses_store_max_bytes=responses_store_max_bytes))
+    app.include_router(build_router(engine, served_model_names, **router_options))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

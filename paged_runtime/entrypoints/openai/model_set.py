@@ -186,6 +186,11 @@ class ModelSet(Generic[R]):
     def loaded_engines(self) -> list[Any]:
         return [m.engine for m in self.models if m.state == LOADED]
 
+    def loaded_engine(self, requested: str) -> Any | None:
+        """The engine of the model ``requested`` names if it is loaded, else None."""
+        model = self.find(requested)
+        return model.engine if model.state == LOADED else None
+
     # ---- loading and unloading -------------------------------------------------------------------------
     async def load(self, requested: str) -> None:
         """Loads a model now (llama.cpp's POST /models/load)."""

@@ -274,6 +274,18 @@ class ModelNameRequest(OpenAIModel):
     model: str | None = None
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's POST /v1/load_lora_adapter (``base_model_name``: on a server of several models, the base)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+    lora_name: str = Field(min_length=1)
+
+
 # ---- POST /v1/responses -------------------------------------------------------------------------------------
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on a response's metadata
 MAX_METADATA_KEY_CHARS = 64

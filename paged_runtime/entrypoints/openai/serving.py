@@ -30,7 +30,9 @@ from paged_runtime.engine.processor import (ProcessedPrompt, PromptType, check_l
                                             max_prompt_chars)
 from paged_runtime.config import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from paged_runtime.entrypoints.openai.errors import bad_request, from_exception, from_parameter_error, model_not_found
+from paged_runtime.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_runtime.entrypoints.openai.protocol import SamplingFields
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_runtime.pooling_params import PoolingParams
 from paged_runtime.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
@@ -86,9 +88,10 @@ class OpenAIServing:
 
     def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
                  limits: RequestLimits | None = None, chat_template: str | None = None, *,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, adapters: LoRAAdapters | None = None) -> None:
         """``chat_template``: a Jinja template that replaces the tokenizer's (``--chat-template``);
-        ``prompt_tokens_details``: usage reports ``cached_tokens`` (``--enable-prompt-tokens-details``)."""
+        ``prompt_tokens_details``: usage reports ``cached_tokens`` (``--enable-prompt-tokens-details``);
+        ``adapters``: the server's LoRA adapters, served as models of their own over this one."""
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
@@ -97,15 +100,23 @@ class OpenAIServing:
         self.limits = limits or RequestLimits()
         self.chat_template = chat_template
         self.tokenizer_worker = TokenizerWorker(engine.tokenizer, engine.max_model_len)
+        self.adapters = adapters
 
     # ---- request checks -----------------------------------------------------------------
     def resolve_model(self, requested: str | None) -> str:
         """The name to echo back: the requested one if served, the first served name when absent."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and self.adapter(requested) is None:
             raise model_not_found(requested)
         return requested
+
+    def adapter(self, requested: str | None) -> LoRARequest | None:
+        """The LoRA adapter over this model that ``requested`` names, if any."""
+        if self.adapters is None or not requested or requested in self.served_model_names:
+            return None
+        adapter = self.adapters.lookup(requested)
+        return adapter if adapter is not None and adapter.base_model_name in self.served_model_names else None
 
     def check_common(self, req: SamplingFields) -> None:
         unsupported = req.unsupported() or req.refused_extra()
@@ -206,11 +217,13 @@ class OpenAIServing:
         """Queue every prompt (with ``req``'s priority and cache salt), or none: if one is refused (engine full),
         the others are aborted. ``pooling``: they are pooling requests (embeddings)."""
         streams: list[RequestStream] = []
+        lora_request = self.adapter(req.model)
+        self.resolve_model(req.model)  # a 404 for an adapter unloaded since the request was resolved
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(self.engine.add_request(request_id, prompt, params, req.priority, req.cache_salt,
-                                                       pooling=pooling))
+                                                       pooling=pooling, lora_request=lora_request))
         except BaseException:
             for stream in streams:
                 stream.abort()

@@ -58,9 +58,9 @@ class ChatOptions:
 class ChatServing(OpenAIServing):
     def __init__(self, engine, served_model_names, limits: RequestLimits | None = None,
                  chat_template: str | None = None, options: ChatOptions | None = None, *,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, adapters=None) -> None:
         super().__init__(engine, served_model_names, limits, chat_template,
-                         prompt_tokens_details=prompt_tokens_details)
+                         prompt_tokens_details=prompt_tokens_details, adapters=adapters)
         self.options = options or ChatOptions()
         self.reasoning_parser = (get_reasoning_parser(self.options.reasoning_parser)
                                  if self.options.reasoning_parser else None)

@@ -378,9 +378,10 @@ class ResponsesServing(ChatServing):
     """/v1/responses over the chat route's preparation (``_prepare``) and output parsing (``_choice_text``)."""
 
     def __init__(self, engine, served_model_names, limits=None, chat_template=None, options=None, *,
-                 prompt_tokens_details: bool = False, responses: StoredResponses | None = None) -> None:
+                 prompt_tokens_details: bool = False, responses: StoredResponses | None = None,
+                 adapters=None) -> None:
         super().__init__(engine, served_model_names, limits, chat_template, options,
-                         prompt_tokens_details=prompt_tokens_details)
+                         prompt_tokens_details=prompt_tokens_details, adapters=adapters)
         self.responses = responses if responses is not None else StoredResponses()
 
     async def create(self, req: ResponsesRequest, owner: str | None = None) -> dict | StreamingResult:
