@@ -213,3 +213,39 @@ def test_tensor_parallel_shards_adapters_like_their_layers(tiny_llama_dir, adapt
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
                         use_tqdm=False, lora_request=[lora[n] if n else None for n in names])
     assert [o.outputs[0].token_ids for o in outs] == oracle(tiny_llama_dir, adapters, prompts, names)
+
+
+def test_ngram_speculation_and_structured_outputs_run_with_adapters(tiny_llama_dir, adapters, monkeypatch):
+    """Drafts are verified with the request's adapter: the proposer is handed peft's own continuations with every
+    third proposal's second draft spoiled (the random model never repeats itself, so real n-gram drafts would all
+    be rejected), and the tokens stay peft's with drafts both accepted and rejected. A constrained request keeps
+    its constraint under an adapter."""
+    from paged_runtime import StructuredOutputsParams
+    from paged_runtime.spec_decode.ngram import NgramProposer
+    lora = requests_of(adapters)
+    names = ["chat", "sql", None]
+    prompts = random_prompts([20, 15, 9], seed=12)
+    expected = oracle(tiny_llama_dir, adapters, prompts, names, 16)
+    sequences = [p + e for p, e in zip(prompts, expected)]
+
+    def propose(self, token_ids, limit):
+        for sequence in sequences:
+            if sequence[:len(token_ids)] == token_ids:
+                drafts = sequence[len(token_ids):len(token_ids) + limit]
+                if len(token_ids) % 3 == 0 and len(drafts) > 1:
+                    drafts[1] = (drafts[1] + 1) % 49152
+                return drafts
+        return []
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    llm = make_llm(tiny_llama_dir, enable_lora=True, max_loras=2, max_model_len=256,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0),
+                        use_tqdm=False, lora_request=[lora[n] if n else None for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.core.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    choice = SamplingParams(max_tokens=8, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate(["Is it raining?"], choice, use_tqdm=False, lora_request=lora["mlp"])[0]
+    assert out.outputs[0].text in ("yes", "no")
+    assert_idle(llm)
