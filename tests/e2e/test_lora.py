@@ -90,22 +90,37 @@ def test_mixed_batch_matches_peft_with_every_engine_feature(tiny_llama_dir, adap
     assert_idle(llm)
 
 
-def test_another_family_qwen3(tmp_path, smollm2_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+FAMILIES = {
+    # Qwen3: q/k norms after the adapted q/k projections; Phi-3: fused qkv_proj / gate_up_proj checkpoint modules,
+    # whose adapters cover every part of our fused layers (A shared, B split by the parts' rows).
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True),
+              ADAPTERS["chat"]["targets"]),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, pad_token_id=0),
+             ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_match_peft(tmp_path, smollm2_dir, family):
     import torch
-    base = tmp_path / "qwen3"
-    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.25)
+    import transformers
+    config_class, model_class, extra, targets = FAMILIES[family]
+    base = tmp_path / family
+    config = getattr(transformers, config_class)(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, initializer_range=0.25,
+        **extra)
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(base)
+    getattr(transformers, model_class)(config).to(torch.float32).save_pretrained(base)
     copy_tokenizer(smollm2_dir, base)
-    adapter = make_adapter(base, tmp_path / "qwen3-lora", r=8, targets=ADAPTERS["chat"]["targets"], seed=4)
+    adapter = make_adapter(base, tmp_path / f"{family}-lora", r=8, targets=targets, seed=4)
     llm = make_llm(base, enable_lora=True, max_lora_rank=8, max_model_len=256)
     prompts = random_prompts([12, 45], seed=7)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
-                        use_tqdm=False, lora_request=[LoRARequest("q", 1, str(adapter)), None])
-    assert [o.outputs[0].token_ids for o in outs] == oracle(base, {"q": adapter}, prompts, ["q", None])
+                        use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapter)), None])
+    expected = oracle(base, {"a": adapter}, prompts, ["a", None])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert expected[0] != oracle(base, {}, prompts[:1], [None])[0], "the adapter changes the output"
 
 
 def test_max_loras_admits_first_in_line_without_starving(tiny_llama_dir, adapters, monkeypatch):
