@@ -7,7 +7,8 @@ config or a KubeRay ``serveConfigV2`` (see ``manifests/rayserve/``).
 Modules: ``args`` (the validated arguments), ``builder`` (the application and
 its deployment options), ``deployment`` (the model replica owning one engine,
 and the ingress), ``router`` (prefix-aware routing), ``autoscaling`` (the
-policy on engine signals), ``asgi`` (requests across a DeploymentHandle).
+policy on engine signals), ``asgi`` (requests across a DeploymentHandle),
+``lora`` (LoRA adapters: their names at the ingress, multiplexed routing).
 """
 from rayserve_adapter.args import AppArgs
 from rayserve_adapter.builder import app

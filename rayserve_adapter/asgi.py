@@ -31,7 +31,8 @@ APP_EXIT_TIMEOUT_S = 10.0  # after a disconnect, the app gets this long to abort
 
 @dataclass(frozen=True, slots=True)
 class ForwardedRequest:
-    """What the model replica needs to run the request, plus the key the router matches prefixes on."""
+    """What the model replica needs to run the request, plus what the router routes it by: its prompt (prefix
+    affinity) and its adapter (multiplexing)."""
     method: str
     path: str  # relative to the application's route prefix
     query_string: bytes = b""
@@ -39,6 +40,7 @@ class ForwardedRequest:
     body: bytes = b""
     routing_key: str | None = None
     routing_tokens: tuple[int, ...] | None = None  # the prompt's token ids, for KV-event routing
+    lora_name: str | None = None  # the LoRA adapter ``model`` names (``lora.AdapterNames``): routed to its holders
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ forwards to the model deployment, routed by the replicas' KV-cache events
 Several models (``models=[A, B]`` or ``models_dir``): one model deployment per
 model (``PagedRuntimeServer-<name>``, each with the replicas, routing and
 placement above), behind one ingress that picks the deployment by the
-request's ``model``.
+request's ``model``. With ``enable_lora``, the ingress also routes requests
+naming LoRA adapters (``lora.py``): to their base model's deployment, and
+there to replicas that already hold the adapter.
 
 Deployment options derived from the arguments:
 
@@ -36,6 +38,7 @@ from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.autoscaling import POLICY_PATH
 from rayserve_adapter.deployment import (INGRESS_DEPLOYMENT, MODEL_DEPLOYMENT, PagedRuntimeBackend, PagedRuntimeIngress,
                                          PagedRuntimeServer)
+from rayserve_adapter.lora import AdapterNames
 
 ROUTER_PATH = "rayserve_adapter.router:PrefixAffinityRouter"
 KV_ROUTER_PATH = "rayserve_adapter.kv_router:KVEventRouter"
@@ -51,12 +54,21 @@ def app(args: AppArgs) -> Application:
         models = {spec.name: PagedRuntimeBackend.options(**model_options(args.for_model(spec), spec.name))
                   .bind(args.for_model(spec)) for spec in args.model_specs()}
         return PagedRuntimeIngress.options(**ingress_options(args, len(models))).bind(
-            models, args.max_request_body_bytes, args.kv_event_routing, args.server_config())
+            models, args.max_request_body_bytes, args.kv_event_routing, args.server_config(),
+            lora=adapter_names(args, list(models)))
     if not args.multi_replica:
         return PagedRuntimeServer.options(**model_options(args)).bind(args)
     model = PagedRuntimeBackend.options(**model_options(args)).bind(args)
-    return PagedRuntimeIngress.options(**ingress_options(args)).bind(model, args.max_request_body_bytes,
-                                                                     args.kv_event_routing)
+    return PagedRuntimeIngress.options(**ingress_options(args)).bind(
+        model, args.max_request_body_bytes, args.kv_event_routing, lora=adapter_names(args, args.served_model_names))
+
+
+def adapter_names(args: AppArgs, base_names: List[str]) -> Optional[AdapterNames]:
+    """What the ingress needs to route LoRA requests (``base_names``: the served names of the base models, the
+    first the default base); None without ``enable_lora``."""
+    if not args.enable_lora:
+        return None
+    return AdapterNames(tuple(base_names), args.dynamic_lora_loading_path)
 
 
 def model_options(args: AppArgs, model_name: Optional[str] = None) -> Dict[str, Any]:
@@ -120,5 +132,5 @@ def placement_options(args: AppArgs) -> Dict[str, Any]:
     return {"ray_actor_options": actor, "placement_group_bundles": bundles, "placement_group_strategy": strategy}
 
 
-__all__ = ["app", "model_options", "ingress_options", "placement_options", "ROUTER_PATH", "KV_ROUTER_PATH",
-           "SHUTDOWN_MARGIN_S"]
+__all__ = ["app", "model_options", "ingress_options", "placement_options", "adapter_names", "ROUTER_PATH",
+           "KV_ROUTER_PATH", "SHUTDOWN_MARGIN_S"]

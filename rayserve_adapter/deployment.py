@@ -15,7 +15,12 @@
       ``max_waiting_requests`` live (raise ``max_ongoing_requests`` with
       ``max_num_seqs``: both are applied without restarting replicas);
     - ``record_autoscaling_stats`` feeds ``autoscaling.EngineAutoscalingPolicy``;
-    - ``record_routing_stats`` feeds ``router.PrefixAffinityRouter``.
+    - ``record_routing_stats`` feeds ``router.PrefixAffinityRouter``, with the LoRA adapters the
+      replica's engine holds (``lora_adapters``: multiplexed routing, ``lora.py``).
+
+    With ``enable_lora``, the app serves adapters as models (``lora_modules``, first use from
+    ``dynamic_lora_loading_path``, the load / unload routes): each replica loads an adapter on its own
+    first request for it.
 
     Shutdown: Serve stops routing to a stopping replica and waits for its
     requests up to ``graceful_shutdown_timeout_s`` (``shutdown_timeout``, set
@@ -32,8 +37,11 @@
     model deployment, with the prompt text as the routing key; streams the
     response back. With several models (one deployment each) it picks the
     deployment by the body's ``model``, and answers ``GET /v1/models`` and
-    ``/health`` from every deployment's. When the model deployment's queue is full it answers 429
-    with ``Retry-After`` in OpenAI's error shape. A client that goes away
+    ``/health`` from every deployment's. With LoRA (``lora.AdapterNames``), a ``model`` that is no served
+    base name goes to its base's deployment (``base:adapter``; an adapter named alone: the first model's),
+    whose replica decides whether the adapter exists, and the adapter's name goes to the router; ``GET
+    /v1/models`` adds the adapter folders any replica would load. When the model deployment's queue is
+    full it answers 429 with ``Retry-After`` in OpenAI's error shape. A client that goes away
     cancels the handle call, which the replica sees as a disconnect. A model
     replica that dies or is killed mid-request (Serve's graceful shutdown
     timeout) never cuts the client off: a stream ends with an error event
@@ -50,6 +58,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from functools import cached_property
 from typing import Any
@@ -70,8 +79,9 @@ from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
 from rayserve_adapter.kv_router import KV_BLOCK_SIZE_STAT, KV_EVENTS_ENDPOINT_STAT, topic_of
+from rayserve_adapter.lora import LORA_ADAPTERS_STAT, AdapterNames, AdapterTracker, unique_by_id
 from rayserve_adapter.render import PromptRenderer
-from rayserve_adapter.router import routing_key
+from rayserve_adapter.router import json_object, keyed, prompt_key
 
 MODEL_DEPLOYMENT = "PagedRuntimeServer"
 INGRESS_DEPLOYMENT = "PagedRuntimeIngress"
@@ -98,12 +108,14 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.engine: EngineClient = make_engine(self.args.engine_config(topic_of(self.replica_id), _node_ip()),
                                                 self.args.server_config(), self.registry)
+        self.adapters = AdapterTracker(self.engine)  # the engine as the app sees it: what adapters it holds
 
     @cached_property
     def asgi_app(self):
         from paged_runtime.entrypoints.openai import build_app
-        return build_app(self.engine, self.args.served_model_names, registry=self.registry,
-                         model_root=self.engine.model_root, drain=self.drain, **self.args.app_options())
+        return build_app(self.adapters, self.args.served_model_names, registry=self.registry,
+                         model_root=self.engine.model_root, drain=self.drain, enable_lora=self.args.enable_lora,
+                         **self.args.app_options())
 
     def __serve_build_asgi_app__(self):
         return self.asgi_app
@@ -150,7 +162,8 @@ class EngineReplica:
                 KV_BLOCK_SIZE_STAT: self.engine.config.block_size,
                 "kv_cache_usage": stats.kv_cache_usage, "num_prefix_queries": stats.num_prefix_queries,
                 "num_prefix_hits": stats.num_prefix_hits, "num_preemptions": stats.num_preemptions,
-                "num_aborted_requests": int(aborted or 0), "healthy": self.engine.is_healthy}
+                "num_aborted_requests": int(aborted or 0), "healthy": self.engine.is_healthy,
+                LORA_ADAPTERS_STAT: self.adapters.names()}
 
     async def graceful_shutdown(self) -> None:
         """Drain (see the module docstring), then shut the engine down; runs on the replica's event loop."""
@@ -231,41 +244,59 @@ class OpenAIIngress:
 
     def __init__(self, model: DeploymentHandle | dict[str, DeploymentHandle],
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, render_tokens: bool = False,
-                 server: ServerConfig | None = None) -> None:
+                 server: ServerConfig | None = None, lora: AdapterNames | None = None) -> None:
         """``model``: the model deployment, or several by model name (a request goes to the one its ``model``
         names; ``server``'s API keys then guard the answers the ingress gives itself). ``render_tokens``: give
         the router each generate request's token ids (KV-event routing), rendered here with a replica's
-        tokenizer and chat template (``render.py``; fetched on first use)."""
+        tokenizer and chat template (``render.py``; fetched on first use). ``lora``: the model deployments
+        serve LoRA adapters (None: they do not)."""
         handles = model if isinstance(model, dict) else {None: model}
         self.backends = {name: ModelBackend(handle, render_tokens) for name, handle in handles.items()}
         self.keys = ApiKeys.of(server) if server is not None else ApiKeys()
         self.max_request_body_bytes = max_request_body_bytes  # the replica's limit: never buffer more than it takes
+        self.lora = lora
+        self.reads_model = len(self.backends) > 1 or lora is not None  # else the replica alone reads ``model``
+        self.created = int(time.time())
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[Route("/{path:path}", self.proxy, methods=HTTP_METHODS)])
 
     async def proxy(self, request: Request) -> Response:
         try:
-            forwarded = await _forwarded(request, self.max_request_body_bytes)
-            if len(self.backends) > 1 and forwarded.method == "GET" and forwarded.path in ALL_MODELS_PATHS:
+            forwarded, data = await _forwarded(request, self.max_request_body_bytes, self.reads_model)
+            if forwarded.method == "GET" and self._asks_every_model(forwarded.path):
                 return await self._from_every_model(forwarded)
-            backend = self._backend_for(forwarded)
+            name = _model_in(data)
+            backend = self._backend_for(forwarded, data is not None, name)
         except OpenAIError as e:  # a body over the limit, an unknown model: answered here, as the replica would
             return e.response()
+        adapter = self.lora.adapter_of(name) if self.lora is not None else None
+        if adapter is not None:
+            forwarded = dataclasses.replace(forwarded, lora_name=adapter)
         return await self._send(backend, await backend.with_tokens(forwarded))
 
-    def _backend_for(self, forwarded: ForwardedRequest) -> ModelBackend:
-        """The deployment of the model a request names. With several models, a generate or embeddings request
-        that names none is a 400 and an unknown name a 404 (after the API key check the replica would make);
-        any other request goes to the model it names, or the first."""
+    def _asks_every_model(self, path: str) -> bool:
+        """Whether the ingress answers a GET of ``path`` from every model deployment's answer (and, for
+        /v1/models, the adapter folders)."""
+        if path == "/v1/models" and self.lora is not None and self.lora.dynamic_path is not None:
+            return True
+        return len(self.backends) > 1 and path in ALL_MODELS_PATHS
+
+    def _backend_for(self, forwarded: ForwardedRequest, readable: bool, name: str | None) -> ModelBackend:
+        """The deployment of the model a request names (``readable``: its body is a JSON object, ``name`` its
+        ``model``). With several models, a generate or embeddings request that names none is a 400 and an
+        unknown name a 404 (after the API key check the replica would make), unless the models serve LoRA
+        adapters: a name that is no model then goes to its base model's deployment (``lora.AdapterNames``),
+        whose replica answers for it; any other request goes to the model it names, or the first."""
         first = next(iter(self.backends.values()))
         if len(self.backends) == 1:
             return first
-        readable, name = _model_of(forwarded.body) if forwarded.method == "POST" else (False, None)
         if name in self.backends:
             return self.backends[name]
         if not readable or (name is None and forwarded.path not in MODEL_ROUTES):
             return first  # a body the replica refuses, /tokenize without a model, ...: the replica's own answer
+        if name is not None and self.lora is not None:  # an adapter, or no model: the replica says which
+            return self.backends.get(self.lora.base_of(name), first)
         self.keys.authenticate(_header(forwarded, b"authorization"))
         if name is None:
             raise bad_request(f"this application serves {len(self.backends)} models: name one in 'model' (GET "
@@ -295,14 +326,16 @@ class OpenAIIngress:
                 stream.cancel()  # propagates a cancelled request to its child calls; this does not rely on it
 
     async def _from_every_model(self, forwarded: ForwardedRequest) -> Response:
-        """GET /v1/models (every model's entries, in order) or /health (healthy when every model is): the first
-        answer that is not a 200 as it is, else the merged one."""
+        """GET /v1/models (every model's entries, in order, then the adapter folders', each id once) or /health
+        (healthy when every model is): the first answer that is not a 200 as it is, else the merged one."""
         answers = await asyncio.gather(*(self._send(b, forwarded) for b in self.backends.values()))
         failed = next((a for a in answers if a.status_code != 200), None)
         if failed is not None or forwarded.path == "/health":
             return failed or answers[0]
         data = [entry for answer in answers for entry in json.loads(answer.body)["data"]]
-        return JSONResponse({"object": "list", "data": data})
+        if self.lora is not None:
+            data += await asyncio.to_thread(self.lora.folder_entries, self.created)
+        return JSONResponse({"object": "list", "data": unique_by_id(data)})
 
 
 ALL_MODELS_PATHS = ("/v1/models", "/health")  # what a multi-model ingress asks every model deployment
@@ -310,30 +343,30 @@ MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respon
                           "/v1/completions/render", "/v1/chat/completions/render"})  # a request must name a model
 
 
-def _model_of(body: bytes) -> tuple[bool, str | None]:
-    """(whether the body is a JSON object, its ``model`` string or None)."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return False, None
-    if not isinstance(data, dict):
-        return False, None
-    model = data.get("model")
-    return True, model if isinstance(model, str) and model else None
+def _model_in(data: dict | None) -> str | None:
+    """The ``model`` string of a body read as a JSON object, or None."""
+    model = data.get("model") if data is not None else None
+    return model if isinstance(model, str) and model else None
 
 
 def _header(forwarded: ForwardedRequest, name: bytes) -> str | None:
     return next((value.decode("latin-1") for key, value in forwarded.headers if key.lower() == name), None)
 
 
-async def _forwarded(request: Request, max_body_bytes: int) -> ForwardedRequest:
+async def _forwarded(request: Request, max_body_bytes: int,
+                     reads_model: bool) -> tuple[ForwardedRequest, dict | None]:
+    """The request as the model replica gets it, with its routing key, and its body as a JSON object: None
+    for a body that is not one, or is not read (a POST's is where ``reads_model``, or for its routing key);
+    parsed once for both."""
     scope = request.scope
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root):] or "/"  # the model replica's app is mounted at "/"
     body = await read_body(request, max_body_bytes)
+    has_key = keyed(path, body)
+    data = json_object(body) if request.method == "POST" and (has_key or reads_model) else None
     return ForwardedRequest(request.method, path, scope.get("query_string", b""), tuple(scope["headers"]), body,
-                            routing_key(path, body))
+                            prompt_key(data) if has_key else None), data
 
 
 async def _rest(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:

@@ -16,6 +16,11 @@ blocks' events (a step later, or more while it waits), the index expects them wh
 expected block counts like a stored one for ``expect_ttl_s`` seconds (default 30), or until an event about
 it arrives; so a burst of one prefix stays together before its first blocks are even computed.
 
+LoRA: a request for an adapter (``ForwardedRequest.lora_name``) goes to a replica holding the adapter, as with
+prefix affinity (``router.rank_replicas``, ``lora.py``). The engine keys an adapter's blocks by its name, and its
+events carry it (``lora_name``): the index roots an adapter's chains apart from the base model's
+(``lora.chain_root``), so a prompt matches only the blocks its own adapter (or the base) computed.
+
 The index may lag or miss events (a dropped batch, a replica restarted): then a choice is worse, never wrong:
 any replica can serve any request. Tenants' salted blocks are indexed by their tokens alone, so a salted
 request may be sent where only another tenant's blocks are; it then computes its prompt, as anywhere.
@@ -36,7 +41,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from paged_runtime.core.kv_events import decode_batch, decode_event
-from rayserve_adapter.router import PrefixAffinityRouter, rank_replicas
+from rayserve_adapter.lora import chain_root
+from rayserve_adapter.router import PrefixAffinityRouter, rank_replicas, request_adapter
 
 KV_EVENTS_ENDPOINT_STAT = "kv_events_endpoint"  # the model replica's record_routing_stats keys
 KV_BLOCK_SIZE_STAT = "kv_block_size"
@@ -73,13 +79,14 @@ class KVBlockIndex:
         self.expect_ttl_s = expect_ttl_s
         self.block_size: int | None = None  # the replicas' (one application: one block size)
 
-    def expect(self, replica: Hashable, token_ids: Sequence[int]) -> None:
-        """``replica`` was just sent a prompt of ``token_ids``: count its blocks there until events tell."""
+    def expect(self, replica: Hashable, token_ids: Sequence[int], adapter: str | None = None) -> None:
+        """``replica`` was just sent a prompt of ``token_ids`` (for ``adapter``): count its blocks there until
+        events tell."""
         if self.block_size is None:
             return
         until = time.monotonic() + self.expect_ttl_s
         with self._lock:
-            for key in chain_keys(token_ids, self.block_size):
+            for key in chain_keys(token_ids, self.block_size, chain_root(adapter, ROOT)):
                 expected = self._expected.setdefault(key, {})
                 if replica not in expected:
                     self._num_expected[replica] = self._num_expected.get(replica, 0) + 1
@@ -106,7 +113,11 @@ class KVBlockIndex:
     def _stored(self, replica: Hashable, event: dict[str, Any]) -> None:
         keys = self._keys.setdefault(replica, {})
         parent_hash = event["parent_block_hash"]
-        parent = ROOT if parent_hash is None else keys.get(parent_hash)
+        lora_name = event.get("lora_name")  # a chain's first block roots it at its adapter's root
+        if parent_hash is None:
+            parent = chain_root(lora_name if isinstance(lora_name, str) and lora_name else None, ROOT)
+        else:
+            parent = keys.get(parent_hash)
         if parent is None:
             return  # its parent's event never came (dropped): the chain cannot be placed
         self.block_size = event["block_size"]
@@ -138,12 +149,13 @@ class KVBlockIndex:
             for replica in replicas:
                 self._forget(replica)
 
-    def match(self, token_ids: Sequence[int]) -> tuple[dict[Hashable, int], int]:
-        """({replica: leading full blocks of ``token_ids`` it holds}, full blocks in ``token_ids``)."""
+    def match(self, token_ids: Sequence[int], adapter: str | None = None) -> tuple[dict[Hashable, int], int]:
+        """({replica: leading full blocks of ``token_ids`` (for ``adapter``) it holds}, full blocks in
+        ``token_ids``)."""
         with self._lock:
             if self.block_size is None:
                 return {}, 0
-            keys = chain_keys(token_ids, self.block_size)
+            keys = chain_keys(token_ids, self.block_size, chain_root(adapter, ROOT))
             depths: dict[Hashable, int] = {}
             alive: set[Hashable] | None = None
             now = time.monotonic()
@@ -255,10 +267,12 @@ class KVEventRouter(PrefixAffinityRouter):
         if not candidate_replicas or tokens is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        depths, num_blocks = self.kv_index.match(tokens)
+        adapter = request_adapter(pending_request)
+        depths, num_blocks = self.kv_index.match(tokens, adapter)
+        holders = {rid.unique_id for rid in self.adapter_holders(adapter, candidate_replicas)}
         ranks = rank_replicas(list(by_id), {rid: self._load(r.replica_id) for rid, r in by_id.items()}, depths,
                               num_blocks, {}, self.kv_index, min_match_ratio=self.min_match_ratio,
-                              max_imbalance=self.max_imbalance)
+                              max_imbalance=self.max_imbalance, holders=holders)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
@@ -266,7 +280,8 @@ class KVEventRouter(PrefixAffinityRouter):
         if tokens is None:
             super().on_request_routed(pending_request, replica_id, result)
         else:
-            self.kv_index.expect(replica_id.unique_id, tokens)
+            self.kv_index.expect(replica_id.unique_id, tokens, request_adapter(pending_request))
+            self.note_adapter(pending_request, replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = {r.unique_id for r in self.curr_replicas} - {r.replica_id.unique_id for r in replicas}

@@ -15,6 +15,13 @@ implied). Entries are LRU-bounded; a trailing partial chunk is ignored.
 
 Ranking (``rank_replicas``), per request:
 
+- adapter: a request for a LoRA adapter (``ForwardedRequest.lora_name``)
+  goes to the replicas holding it (``lora.py``: what they report, and where
+  the router sent it lately) that are at most ``max_imbalance`` busier than
+  the least-loaded replica, ranked among themselves as below; with none,
+  every replica is ranked as below (the chosen one loads it on first use).
+  Prefixes are indexed per adapter: an adapter's cached blocks serve only
+  its own requests;
 - match: the replica with the longest match, if it covers at least
   ``min_match_ratio`` of the key and its load (Serve's ongoing-request count)
   exceeds the least-loaded replica's by at most ``max_imbalance``;
@@ -23,13 +30,15 @@ Ranking (``rank_replicas``), per request:
   replicas, then by lower KV usage (``record_routing_stats``: up to a stats
   period old, so it only breaks ties the router's own state cannot).
 
-The chosen replica comes first; the others follow as a fallback rank (Serve
-skips a replica whose ongoing requests are at ``max_ongoing_requests``).
-Requests without a key (``/health``, ``/metrics``, ``/v1/models``, short
-prompts) are routed by power of two choices.
+The chosen replica comes first; the others follow as fallback ranks (Serve
+skips a replica whose ongoing requests are at ``max_ongoing_requests``): the
+adapter's other holders within the bound, then the rest. Requests with
+neither a key nor an adapter (``/health``, ``/metrics``, ``/v1/models``)
+are routed by power of two choices.
 
 Pickled by value into every process that holds a handle to the model
-deployment: this module imports only Ray Serve and the standard library.
+deployment: this module imports only Ray Serve, the standard library and
+torch-free modules of its own (``lora.py``, the runtime's config).
 """
 from __future__ import annotations
 
@@ -38,12 +47,13 @@ import itertools
 import json
 import random
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from paged_runtime.config import DEFAULT_MAX_REQUEST_BODY_BYTES
+from rayserve_adapter.lora import AdapterPlacement, chain_root, holders_of
 
 KV_CACHE_USAGE_STAT = "kv_cache_usage"  # the model replica's record_routing_stats key
 MAX_KEY_CHARS = 64 * 1024  # a prefix this long is plenty to tell prompts apart; bounds the hashing per request
@@ -62,16 +72,17 @@ class PrefixIndex:
         self._owners: OrderedDict[bytes, set[Hashable]] = OrderedDict()  # chunk hash -> replicas, LRU order
         self._num_chunks: dict[Hashable, int] = {}  # replica -> chunk hashes it appears under
 
-    def chunk_hashes(self, key: str) -> list[bytes]:
-        hashes, parent = [], b""
+    def chunk_hashes(self, key: str, adapter: str | None = None) -> list[bytes]:
+        """The chain of ``key``'s whole chunks, rooted at its adapter's root (``lora.chain_root``)."""
+        hashes, parent = [], chain_root(adapter, b"")
         for start in range(0, len(key) - self.chunk_chars + 1, self.chunk_chars):
             parent = hashlib.blake2b(parent + key[start:start + self.chunk_chars].encode(), digest_size=16).digest()
             hashes.append(parent)
         return hashes
 
-    def match(self, key: str) -> tuple[dict[Hashable, int], int]:
+    def match(self, key: str, adapter: str | None = None) -> tuple[dict[Hashable, int], int]:
         """({replica: matched chunks}, chunks in the key); replicas without a match are absent."""
-        hashes = self.chunk_hashes(key)
+        hashes = self.chunk_hashes(key, adapter)
         depths: dict[Hashable, int] = {}
         for depth, chunk_hash in enumerate(hashes, start=1):
             owners = self._owners.get(chunk_hash)
@@ -82,8 +93,8 @@ class PrefixIndex:
                 depths[replica] = depth
         return depths, len(hashes)
 
-    def insert(self, key: str, replica: Hashable) -> None:
-        for chunk_hash in self.chunk_hashes(key):
+    def insert(self, key: str, replica: Hashable, adapter: str | None = None) -> None:
+        for chunk_hash in self.chunk_hashes(key, adapter):
             owners = self._owners.setdefault(chunk_hash, set())
             self._owners.move_to_end(chunk_hash)
             if replica not in owners:
@@ -110,17 +121,23 @@ class PrefixIndex:
 
 def rank_replicas(replica_ids: list[Hashable], loads: Mapping[Hashable, int], depths: Mapping[Hashable, int],
                   num_key_chunks: int, kv_usages: Mapping[Hashable, float], index: PrefixIndex, *,
-                  min_match_ratio: float, max_imbalance: int) -> list[list[Hashable]]:
-    """[[chosen], [the others, least loaded first]] (see the module docstring)."""
+                  min_match_ratio: float, max_imbalance: int,
+                  holders: Collection[Hashable] = ()) -> list[list[Hashable]]:
+    """[[chosen], [the adapter's other warm holders], [the others, least loaded first]], without empty ranks
+    (see the module docstring). ``holders``: the replicas holding the request's adapter (none: no adapter).
+    A holder is warm while its load exceeds the least-loaded replica's by at most ``max_imbalance``."""
     least_load = min(loads[r] for r in replica_ids)
-    owner = max(replica_ids, key=lambda r: (depths.get(r, 0), -loads[r]))
+    warm = [r for r in replica_ids if r in holders and loads[r] - least_load <= max_imbalance]
+    candidates = warm or replica_ids
+    owner = max(candidates, key=lambda r: (depths.get(r, 0), -loads[r]))
     useful = num_key_chunks > 0 and depths.get(owner, 0) >= min_match_ratio * num_key_chunks
     if useful and loads[owner] - least_load <= max_imbalance:
         chosen = owner
     else:
-        chosen = min(replica_ids, key=lambda r: (loads[r], index.num_chunks(r), kv_usages.get(r, 0.0)))
-    others = sorted((r for r in replica_ids if r != chosen), key=lambda r: loads[r])
-    return [[chosen], others] if others else [[chosen]]
+        chosen = min(candidates, key=lambda r: (loads[r], index.num_chunks(r), kv_usages.get(r, 0.0)))
+    other_warm = sorted((r for r in warm if r != chosen), key=lambda r: loads[r])
+    others = sorted((r for r in replica_ids if r != chosen and r not in warm), key=lambda r: loads[r])
+    return [rank for rank in ([chosen], other_warm, others) if rank]
 
 
 def routing_key(path: str, body: bytes) -> str | None:
@@ -132,13 +149,26 @@ def routing_key(path: str, body: bytes) -> str | None:
     will refuse with a 400 (not JSON, too deep, a lone surrogate, wrong types, too large) never
     raises here; it routes by load and the replica gives the client its error.
     """
-    if not path.endswith(("/completions", "/chat/completions")) or len(body) > MAX_KEYED_BODY_BYTES:
-        return None
+    return prompt_key(json_object(body)) if keyed(path, body) else None
+
+
+def keyed(path: str, body: bytes) -> bool:
+    """Whether the request may have a routing key: a completion or a chat, of a size the replica takes."""
+    return path.endswith(("/completions", "/chat/completions")) and len(body) <= MAX_KEYED_BODY_BYTES
+
+
+def json_object(body: bytes) -> dict | None:
+    """``body`` as a JSON object; None for anything else (never raises)."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested too deep
         return None
-    key = _key_of(data) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def prompt_key(data: dict | None) -> str | None:
+    """``routing_key`` of a keyed request's body already read by ``json_object``."""
+    key = _key_of(data) if data is not None else None
     if not key:
         return None
     key = key[:MAX_KEY_CHARS]
@@ -178,12 +208,14 @@ class PrefixAffinityRouter(RequestRouter):
     """Serve's request router for the model deployment: prefix affinity, least-loaded when the owner is hot.
 
     ``request_router_kwargs``: ``chunk_chars`` (64), ``max_chunks`` (100,000),
-    ``min_match_ratio`` (0.1), ``max_imbalance`` (4 ongoing requests).
+    ``min_match_ratio`` (0.1), ``max_imbalance`` (4 ongoing requests), ``adapter_ttl_s`` (10: how long a
+    replica sent an adapter counts as holding it before its stats say so).
     """
 
     def initialize_state(self, chunk_chars: int = 64, max_chunks: int = 100_000, min_match_ratio: float = 0.1,
-                         max_imbalance: int = 4) -> None:
+                         max_imbalance: int = 4, adapter_ttl_s: float = 10.0) -> None:
         self.index = PrefixIndex(chunk_chars, max_chunks)
+        self.placement = AdapterPlacement(adapter_ttl_s)
         self.min_match_ratio = min_match_ratio
         self.max_imbalance = max_imbalance
 
@@ -191,31 +223,46 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        key = _request_key(pending_request)
-        if key is None:  # power of two choices: Serve sends it to the less loaded of two at random
+        key, adapter = _request_key(pending_request), request_adapter(pending_request)
+        if key is None and adapter is None:  # power of two choices: the less loaded of two at random
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id: r for r in candidate_replicas}
-        depths, num_chunks = self.index.match(key)
+        depths, num_chunks = self.index.match(key, adapter) if key is not None else ({}, 0)
         ranks = rank_replicas(list(by_id), {rid: self._load(rid) for rid in by_id}, depths, num_chunks,
                               {rid: _kv_usage(r) for rid, r in by_id.items()}, self.index,
-                              min_match_ratio=self.min_match_ratio, max_imbalance=self.max_imbalance)
+                              min_match_ratio=self.min_match_ratio, max_imbalance=self.max_imbalance,
+                              holders=self.adapter_holders(adapter, candidate_replicas))
         return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def adapter_holders(self, adapter: str | None, replicas: list[RunningReplica]) -> set[ReplicaID]:
+        """The ids of ``replicas`` holding ``adapter`` (reported, or sent it lately); none for no adapter."""
+        if adapter is None:
+            return set()
+        return holders_of(adapter, {r.replica_id: r.routing_stats for r in replicas}, self.placement.recent(adapter))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         key = _request_key(pending_request)
         if key is not None:
-            self.index.insert(key, replica_id)
+            self.index.insert(key, replica_id, request_adapter(pending_request))
+        self.note_adapter(pending_request, replica_id)
+
+    def note_adapter(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        adapter = request_adapter(pending_request)
+        if adapter is not None:
+            self.placement.sent(adapter, replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         if gone:
             self.index.remove_replicas(gone)
+            self.placement.remove_replicas(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove_replicas([replica_id])
+        self.placement.remove_replicas([replica_id])
 
     def _load(self, replica_id: ReplicaID) -> int:
         """Ongoing requests as this router last saw them (sends counted at once); unknown counts as idle."""
@@ -227,6 +274,14 @@ def _request_key(pending_request: PendingRequest | None) -> str | None:
         return None
     key = getattr(pending_request.args[0], "routing_key", None)
     return key if isinstance(key, str) and key else None
+
+
+def request_adapter(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter the request names (``ForwardedRequest.lora_name``), or None."""
+    if pending_request is None or not pending_request.args:
+        return None
+    name = getattr(pending_request.args[0], "lora_name", None)
+    return name if isinstance(name, str) and name else None
 
 
 def _kv_usage(replica: RunningReplica) -> float:
