@@ -11,7 +11,10 @@ Lifecycle
     drain calls it when ``--shutdown-timeout`` runs out (whatever still runs
     fails with EngineDeadError), KServe when it unloads the model after the
     HTTP server stopped; a stop that comes while the engine is still
-    building shuts it down as soon as it is built.
+    building shuts it down as soon as it is built. Once the engine is up,
+    ``on_engine_up`` (``server.py``: the OpenAI routes' ``start``, which
+    checks the ``--lora-modules`` adapters) runs before the model says it is
+    healthy; if it raises, the engine is shut down and the start fails.
 
 Inference
     ``predict`` gets a dict for v1 and an ``InferRequest`` for v2
@@ -25,6 +28,7 @@ Inference
     ``--max-request-body-bytes`` flags) bound each request. KServe's v1/v2
     endpoints do not watch for a client's disconnect, so such a request runs
     to its end (bounded by ``max_tokens``); the OpenAI routes abort theirs.
+    ``run`` serves a LoRA adapter over this model too (``lora.AdapterModel``).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from kserve import Model
 from kserve.errors import InvalidInput, ModelNotReady
@@ -44,6 +48,7 @@ from kserve_adapter import protocol
 from paged_runtime.engine.client import EngineClient, RequestStream
 from paged_runtime.entrypoints.openai.access import ApiKeys
 from paged_runtime.entrypoints.openai.serving import OpenAIServing, RequestLimits, collect
+from paged_runtime.lora.request import LoRARequest
 from paged_runtime.outputs import RequestOutput
 
 logger = logging.getLogger("kserve_adapter")
@@ -70,6 +75,8 @@ class PagedRuntimeModel(Model):
         self.api_keys = api_keys or ApiKeys()
         self.async_engine: EngineClient | None = None
         self.serving: OpenAIServing | None = None  # the OpenAI routes' request checks, over this engine
+        self.on_engine_up: Callable[[], Awaitable[None]] | None = None  # see the module docstring
+        self._up = False  # the engine is built and on_engine_up passed: healthy() may say True
         self._stopping = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -89,6 +96,13 @@ class PagedRuntimeModel(Model):
             return
         self.serving = OpenAIServing(engine, self.served_model_names, self.limits)
         self.async_engine = engine
+        if self.on_engine_up is not None:
+            try:
+                await self.on_engine_up()
+            except BaseException:
+                self.stop_engine()
+                raise
+        self._up = True
         logger.info("model %s is ready (max_model_len %d)", self.name, engine.max_model_len)
 
     def _build_engine(self) -> EngineClient:
@@ -96,7 +110,7 @@ class PagedRuntimeModel(Model):
             return self.engine_factory()
 
     async def healthy(self) -> bool:
-        return self.async_engine is not None and self.async_engine.is_healthy
+        return self._up and self.async_engine is not None and self.async_engine.is_healthy
 
     def stop(self) -> None:
         self.ready = False
@@ -127,20 +141,28 @@ class PagedRuntimeModel(Model):
 
     async def predict(self, payload: dict | InferRequest, headers: dict[str, str] | None = None,
                       response_headers: dict[str, str] | None = None) -> dict | InferResponse:
+        return await self.run(payload, headers, self.name)
+
+    async def run(self, payload: dict | InferRequest, headers: dict[str, str] | None, name: str,
+                  adapter: Callable[[EngineClient], Awaitable[LoRARequest]] | None = None) -> dict | InferResponse:
+        """``payload`` answered as the KServe model ``name``: this model, or with ``adapter`` a LoRA adapter
+        over it. ``adapter(engine)`` gives the adapter once the prompts are ready, and nothing is awaited
+        between it and the submission: an adapter unloaded meanwhile is refused there, never submitted."""
         engine, serving = self.async_engine, self.serving
         if engine is None or serving is None:
-            raise ModelNotReady(self.name)
+            raise ModelNotReady(name)
         request_id = f"kserve-{uuid.uuid4().hex}"
         tenant = self.api_keys.authenticate((headers or {}).get("authorization"))
         batch = [dataclasses.replace(p, cache_salt=tenant.cache_salt(p.cache_salt))
                  for p in await self._prepare(serving, payload)]
-        outputs = await self._generate(engine, request_id, batch)
+        lora_request = await adapter(engine) if adapter is not None else None
+        outputs = await self._generate(engine, request_id, batch, lora_request)
         if isinstance(payload, InferRequest):
-            return protocol.v2_response(payload, self.name, outputs, request_id)
+            return protocol.v2_response(payload, name, outputs, request_id)
         return protocol.v1_response(outputs)
 
     async def explain(self, payload: dict, headers: dict[str, str] | None = None) -> dict:
-        raise InvalidInput(f"model {self.name} has no explainer; use :predict, /infer or the OpenAI routes")
+        raise no_explainer(self.name)
 
     @staticmethod
     async def _prepare(serving: OpenAIServing, payload: dict | InferRequest) -> list[protocol.Prepared]:
@@ -151,14 +173,20 @@ class PagedRuntimeModel(Model):
         return await worker.run(prepare, serving, payload, True)
 
     @staticmethod
-    async def _generate(engine: EngineClient, request_id: str, batch: list[protocol.Prepared]) -> list[RequestOutput]:
+    async def _generate(engine: EngineClient, request_id: str, batch: list[protocol.Prepared],
+                        lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Submit every prompt, or none (an overloaded engine refuses one: the others are aborted); then wait."""
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(batch):
-                streams.append(engine.add_request(f"{request_id}-{i}", p.prompt, p.params, p.priority, p.cache_salt))
+                streams.append(engine.add_request(f"{request_id}-{i}", p.prompt, p.params, p.priority, p.cache_salt,
+                                                  lora_request=lora_request))
         except BaseException:
             for stream in streams:
                 stream.abort()
             raise
         return await collect(streams)
+
+
+def no_explainer(name: str) -> InvalidInput:
+    return InvalidInput(f"model {name} has no explainer; use :predict, /infer or the OpenAI routes")

@@ -4,11 +4,22 @@ KServe builds its app before any model's engine starts, and the router needs
 the engine, so the routes go through one ASGI object: it answers 503 with an
 OpenAI error body until the model's engine is up, then builds the runtime's
 OpenAI app once and hands it every request. Paths (KServe's OpenAI prefix,
-plus the two generation routes where OpenAI clients look without it)::
+plus the generation and LoRA routes where OpenAI and vLLM clients look
+without it)::
 
     /openai/v1/completions, /openai/v1/chat/completions, /openai/v1/models,
     /openai/health, /openai/version, /openai/tokenize, /openai/detokenize
-    /v1/completions, /v1/chat/completions
+    /openai/v1/load_lora_adapter, /openai/v1/unload_lora_adapter (--allow-runtime-lora-updating)
+    /v1/completions, /v1/chat/completions, /v1/load_lora_adapter, /v1/unload_lora_adapter
+
+LoRA adapters: the app is built with ``enable_lora`` from the engine configs
+(``server.py``), since the engines do not exist when the routes are added.
+KServe never runs a mounted app's start-up (lifespan), so ``start``, which
+each model awaits once its engine is up, builds the app when every engine is
+and does it: every ``--lora-modules`` adapter is read and checked on its base
+model's engine, and one that cannot run fails the start (as in vLLM), naming
+it. ``adapters`` is the app's registry, which the load / unload routes change;
+the v1/v2 routes serve the same adapters (``lora.py``).
 
 ``/metrics`` is KServe's own (the engine writes to the default registry).
 Errors, streaming, the abort on a client's disconnect and the edge checks
@@ -17,6 +28,7 @@ nesting, CORS only for ``allowed_origins``) are the runtime app's.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,10 +38,15 @@ from starlette.types import Receive, Scope, Send
 from kserve_adapter.model import PagedRuntimeModel
 from paged_runtime.entrypoints.openai import OpenAIError, build_app
 from paged_runtime.entrypoints.openai.access import ApiKeys
+from paged_runtime.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_runtime.entrypoints.openai.model_set import ModelSet
 
 OPENAI_PREFIX = "/openai"
-ROOT_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROOT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+class AdapterStartError(RuntimeError):
+    """A ``--lora-modules`` adapter that cannot be served: the start fails, with the adapter and the reason."""
 
 
 class OpenAIRoutes:
@@ -38,12 +55,15 @@ class OpenAIRoutes:
 
     def __init__(self, models: PagedRuntimeModel | Sequence[PagedRuntimeModel],
                  api_key: str | Sequence[str] | ApiKeys | None = None, **app_options: Any) -> None:
-        """``app_options``: ``build_app``'s edge keywords (``allowed_origins``, ``max_request_body_bytes``,
-        ``max_prompts_per_request``), as ``paged-runtime serve`` takes them from its flags."""
+        """``app_options``: ``build_app``'s keywords (``allowed_origins``, ``max_request_body_bytes``,
+        ``max_prompts_per_request``, the LoRA ones, ``enable_lora`` included), as ``paged-runtime serve`` takes
+        them from its flags."""
         self.models = [models] if isinstance(models, PagedRuntimeModel) else list(models)
         self.api_key = api_key
         self.app_options = app_options
         self._app: FastAPI | None = None
+        self._model_set: ModelSet | None = None
+        self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         app = self._app or self._build()
@@ -62,7 +82,43 @@ class OpenAIRoutes:
         models = ModelSet.of_engines([(engine, m.served_model_names, engine.model_root)
                                       for engine, m in zip(engines, self.models)])
         self._app = build_app(models, api_key=self.api_key, include_metrics=False, **self.app_options)
+        self._model_set = models
         return self._app
+
+    @property
+    def adapters(self) -> LoRAAdapters | None:
+        """The app's LoRA adapters once it is built, else None. (``build_router`` takes no registry from its
+        caller; the one it made is in every serving object it bound.)"""
+        if self._model_set is None:
+            return None
+        return self._model_set.models[0].routes.completions.adapters
+
+    async def start(self) -> None:
+        """Once every model's engine is up (each model awaits this when its own is): build the app and do its
+        start-up (see the module docstring); ``AdapterStartError`` for a ``--lora-modules`` adapter that cannot
+        run. Before that, and after it once done, nothing."""
+        app = self._app or self._build()
+        if app is None or self._started:
+            return
+        await self._check_adapters()
+        for handler in app.router.on_startup:  # the router's own (it re-reads the adapters: each once per engine)
+            result = handler()
+            if inspect.isawaitable(result):
+                await result
+        self._started = True
+
+    async def _check_adapters(self) -> None:
+        """Each registered adapter read and checked on its base model's engine, one at a time, so a failure names
+        its adapter (the router's start-up check does not)."""
+        adapters, models = self.adapters, self._model_set
+        for entry in adapters.listing(0):
+            name, base = entry["id"], entry["parent"]
+            try:
+                await adapters.ensure(models.loaded_engine(base), base, name)
+            except (OpenAIError, ValueError) as e:  # LoRAError is a ValueError
+                reason = e.message if isinstance(e, OpenAIError) else str(e)
+                raise AdapterStartError(f"--lora-modules adapter {name!r} ({entry['root']}) cannot be served over "
+                                        f"{base!r}: {reason}") from e
 
 
 def is_openai_path(path: str) -> bool:

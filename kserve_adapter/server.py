@@ -42,6 +42,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kserve_adapter.args import parse_args
+from kserve_adapter.lora import LoRARepository
 from kserve_adapter.model import PagedRuntimeModel
 from kserve_adapter.openai_routes import OpenAIRoutes, is_openai_path, mount_openai_routes
 from paged_runtime.config import EngineConfig, ServerConfig
@@ -51,7 +52,9 @@ from paged_runtime.entrypoints.openai import app_options
 from paged_runtime.entrypoints.openai.access import ApiKeys, HostGuard
 from paged_runtime.entrypoints.openai.drain import Drain, DrainMiddleware, GracefulShutdown
 from paged_runtime.entrypoints.openai.errors import OpenAIError, payload_too_large
+from paged_runtime.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_runtime.entrypoints.openai.serving import RequestLimits
+from paged_runtime.lora.request import parse_lora_modules
 
 logger = logging.getLogger("kserve_adapter")
 
@@ -211,10 +214,11 @@ def configure_logging(args: argparse.Namespace, server: ServerConfig) -> None:
             log.propagate = False
 
 
-def build_server(args: argparse.Namespace, server: ServerConfig) -> AdapterModelServer:
+def build_server(args: argparse.Namespace, server: ServerConfig,
+                 repository: LoRARepository | None = None) -> AdapterModelServer:
     return AdapterModelServer(
         host=args.host, shutdown_timeout=server.shutdown_timeout, http_port=args.http_port, grpc_port=args.grpc_port,
-        workers=args.workers,
+        workers=args.workers, registered_models=repository,
         max_threads=args.max_threads, max_asyncio_workers=args.max_asyncio_workers, enable_grpc=args.enable_grpc,
         enable_docs_url=args.enable_docs_url, enable_latency_logging=args.enable_latency_logging,
         access_log_format=args.access_log_format, event_loop=args.event_loop,
@@ -239,6 +243,15 @@ def build_models(args: argparse.Namespace, configs: list[EngineConfig], server: 
     return [build_model(config.served_model_names[0], config, server) for config in configs]
 
 
+def planned_adapters(configs: list[EngineConfig], server: ServerConfig) -> LoRAAdapters:
+    """The ``--lora-modules`` adapters over the models ``configs`` serve, as the OpenAI app will register them;
+    ValueError for flags that cannot work (an adapter without --enable-lora, over a model not served, named
+    like one), before anything loads."""
+    return LoRAAdapters([config.served_model_names[0] for config in configs],
+                        parse_lora_modules(server.lora_modules or []), any(c.enable_lora for c in configs),
+                        server.allow_runtime_lora_updating, server.dynamic_lora_loading_path)
+
+
 def install_access(app: FastAPI, keys: ApiKeys, allowed_hosts: list[str] | None, server: ServerConfig) -> None:
     """The key check on KServe's routes (``ApiKeyMiddleware``), and the Host check on every route where
     ``allowed_hosts`` is not None (``app_options`` says when)."""
@@ -255,15 +268,20 @@ def main(argv: list[str] | None = None) -> int:
         configs = engine_configs(args, server)
         options = app_options(server, bind_host=args.host)  # a chat option that cannot work fails before loading
         allowed_hosts = options.pop("allowed_hosts")  # checked on KServe's whole app, the OpenAI one included
+        planned = planned_adapters(configs, server)
+        # From the configs, as `serve` does: build_router's default reads the engines, which load later here.
+        options["enable_lora"] = planned.enabled
     except ValueError as e:
         print(f"kserve_adapter: error: {e}", file=sys.stderr)
         return 2
-    model_server = build_server(args, server)  # configures KServe's logging first
-    configure_logging(args, server)
     models = build_models(args, configs, server)
+    routes = OpenAIRoutes(models, **options)
+    model_server = build_server(args, server, LoRARepository(routes, planned))  # configures KServe's logging first
+    configure_logging(args, server)
     for model in models:
+        model.on_engine_up = routes.start  # the last one up builds the OpenAI app and checks the adapters
         model.load()
-    mount_openai_routes(kserve_app, OpenAIRoutes(models, **options))
+    mount_openai_routes(kserve_app, routes)
     add_engine_error_handlers(kserve_app)
     install_body_limit(kserve_app, server.max_request_body_bytes)
     install_access(kserve_app, options["api_key"], allowed_hosts, server)  # before any body is read

@@ -245,7 +245,9 @@ def test_the_edge_flags_reach_the_openai_app():
                                   "max_prompts_per_request": 3, "metrics_require_api_key": True,
                                   "chat_template": "{{ messages[0]['content'] }}",
                                   "chat_options": ChatOptions(True, "hermes", "qwen3"),
-                                  "responses_store_max_entries": 1024, "responses_store_max_bytes": 64 * 2**20}
+                                  "responses_store_max_entries": 1024, "responses_store_max_bytes": 64 * 2**20,
+                                  "lora_modules": None, "allow_runtime_lora_updating": False,
+                                  "dynamic_lora_loading_path": None}
 
 
 # ---- KServe's own inference routes: off the loop, the configured limits, a body limit ------------------
@@ -307,7 +309,7 @@ class PredictEngine(FakeEngine):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return ProcessedPrompt(None, token_ids, params.max_tokens)
 
-    def add_request(self, request_id, prompt, params, priority=0, cache_salt=None, pooling=None):
+    def add_request(self, request_id, prompt, params, priority=0, cache_salt=None, pooling=None, lora_request=None):
         self.submitted.append(request_id)
         self.salts.append(cache_salt)
         return OneTokenStream(request_id, prompt.token_ids)
