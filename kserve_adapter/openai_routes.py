@@ -40,6 +40,7 @@ from paged_runtime.entrypoints.openai import OpenAIError, build_app
 from paged_runtime.entrypoints.openai.access import ApiKeys
 from paged_runtime.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_runtime.entrypoints.openai.model_set import ModelSet
+from paged_runtime.lora.request import LoRAError
 
 OPENAI_PREFIX = "/openai"
 ROOT_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -87,11 +88,8 @@ class OpenAIRoutes:
 
     @property
     def adapters(self) -> LoRAAdapters | None:
-        """The app's LoRA adapters once it is built, else None. (``build_router`` takes no registry from its
-        caller; the one it made is in every serving object it bound.)"""
-        if self._model_set is None:
-            return None
-        return self._model_set.models[0].routes.completions.adapters
+        """The app's LoRA adapters once it is built, else None."""
+        return None if self._app is None else self._app.state.lora_adapters
 
     async def start(self) -> None:
         """Once every model's engine is up (each model awaits this when its own is): build the app and do its
@@ -108,17 +106,11 @@ class OpenAIRoutes:
         self._started = True
 
     async def _check_adapters(self) -> None:
-        """Each registered adapter read and checked on its base model's engine, one at a time, so a failure names
-        its adapter (the router's start-up check does not)."""
-        adapters, models = self.adapters, self._model_set
-        for entry in adapters.listing(0):
-            name, base = entry["id"], entry["parent"]
-            try:
-                await adapters.ensure(models.loaded_engine(base), base, name)
-            except (OpenAIError, ValueError) as e:  # LoRAError is a ValueError
-                reason = e.message if isinstance(e, OpenAIError) else str(e)
-                raise AdapterStartError(f"--lora-modules adapter {name!r} ({entry['root']}) cannot be served over "
-                                        f"{base!r}: {reason}") from e
+        """Each ``--lora-modules`` adapter read and checked on its base model's engine."""
+        try:
+            await self.adapters.check_static(self._model_set.loaded_engine)
+        except LoRAError as e:
+            raise AdapterStartError(str(e)) from e
 
 
 def is_openai_path(path: str) -> bool:

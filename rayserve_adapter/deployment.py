@@ -79,7 +79,7 @@ from rayserve_adapter.args import AppArgs, parse_args
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart, stream_asgi
 from rayserve_adapter.autoscaling import KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING
 from rayserve_adapter.kv_router import KV_BLOCK_SIZE_STAT, KV_EVENTS_ENDPOINT_STAT, topic_of
-from rayserve_adapter.lora import LORA_ADAPTERS_STAT, AdapterNames, AdapterTracker, unique_by_id
+from rayserve_adapter.lora import LORA_ADAPTERS_STAT, AdapterNames, unique_by_id
 from rayserve_adapter.render import PromptRenderer
 from rayserve_adapter.router import json_object, keyed, prompt_key
 
@@ -108,12 +108,11 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.engine: EngineClient = make_engine(self.args.engine_config(topic_of(self.replica_id), _node_ip()),
                                                 self.args.server_config(), self.registry)
-        self.adapters = AdapterTracker(self.engine)  # the engine as the app sees it: what adapters it holds
 
     @cached_property
     def asgi_app(self):
         from paged_runtime.entrypoints.openai import build_app
-        return build_app(self.adapters, self.args.served_model_names, registry=self.registry,
+        return build_app(self.engine, self.args.served_model_names, registry=self.registry,
                          model_root=self.engine.model_root, drain=self.drain, enable_lora=self.args.enable_lora,
                          **self.args.app_options())
 
@@ -163,7 +162,7 @@ class EngineReplica:
                 "kv_cache_usage": stats.kv_cache_usage, "num_prefix_queries": stats.num_prefix_queries,
                 "num_prefix_hits": stats.num_prefix_hits, "num_preemptions": stats.num_preemptions,
                 "num_aborted_requests": int(aborted or 0), "healthy": self.engine.is_healthy,
-                LORA_ADAPTERS_STAT: self.adapters.names()}
+                LORA_ADAPTERS_STAT: self.asgi_app.state.lora_adapters.read_by(self.engine)}
 
     async def graceful_shutdown(self) -> None:
         """Drain (see the module docstring), then shut the engine down; runs on the replica's event loop."""

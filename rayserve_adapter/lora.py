@@ -8,7 +8,7 @@ model's deployment, whose replica decides (a 404 for no such adapter), and carri
 router (``ForwardedRequest.lora_name``).
 
 Multiplexed routing, as ``serve.multiplexed`` does it for Serve's own model ids: each replica reports the
-adapters its engine has read (``AdapterTracker``) in its routing stats (``lora_adapters``), and the routers send
+adapters its engine has read (``LoRAAdapters.read_by``) in its routing stats (``lora_adapters``), and the routers send
 a request for an adapter to a replica holding it unless that one is more than ``max_imbalance`` requests
 busier than the least loaded (``router.rank_replicas``). Stats arrive up to a stats period late, so the router
 also counts a replica it sent the adapter to in the last ``ttl_s`` seconds as a holder (``AdapterPlacement``):
@@ -94,34 +94,6 @@ def unique_by_id(entries: Iterable[dict]) -> list[dict]:
             seen.add(entry.get("id"))
             unique.append(entry)
     return unique
-
-
-class AdapterTracker:
-    """The model replica's engine as its OpenAI app sees it, noting the adapters it has read (``add_lora``) and
-    not removed since: what the replica holds. Everything else is the engine's own (``__getattr__``).
-
-    Invariant: ``names()`` lists an adapter once the engine has read it, and no longer from its unload on
-    (its running requests still finish), as ``LoRAAdapters`` serves it.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self._names: dict[int, str] = {}  # adapter id -> name
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def add_lora(self, lora_request: Any) -> None:
-        await self._engine.add_lora(lora_request)
-        self._names[lora_request.lora_int_id] = lora_request.lora_name
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        self._names.pop(lora_id, None)
-        return await self._engine.remove_lora(lora_id)
-
-    def names(self) -> list[str]:
-        # Serve may ask from another thread than the app's loop: set() copies the values in one C call.
-        return sorted(set(self._names.values()))
 
 
 class AdapterPlacement:

@@ -21,7 +21,7 @@ from rayserve_adapter import app  # noqa: E402
 from rayserve_adapter.asgi import ForwardedRequest, ResponseStart  # noqa: E402
 from rayserve_adapter.kv_router import KV_BLOCK_SIZE_STAT, KVBlockIndex, KVEventRouter  # noqa: E402
 from rayserve_adapter.lora import (LORA_ADAPTERS_STAT, MAX_NAME_CHARS, AdapterNames, AdapterPlacement,  # noqa: E402
-                                   AdapterTracker, chain_root, holders_of, unique_by_id)
+                                   chain_root, holders_of, unique_by_id)
 from rayserve_adapter.router import PrefixAffinityRouter, PrefixIndex, rank_replicas  # noqa: E402
 
 JSON = ((b"content-type", b"application/json"),)
@@ -91,27 +91,23 @@ class FakeEngine:
         return True
 
 
-class Request:
-    def __init__(self, name: str, lora_id: int) -> None:
-        self.lora_name, self.lora_int_id = name, lora_id
-
-
-def test_the_tracker_lists_what_the_engine_read_until_it_is_removed():
+def test_a_replica_reports_the_adapters_its_engine_read_until_they_are_unloaded():
+    from paged_runtime.entrypoints.openai.lora_adapters import LoRAAdapters
     engine = FakeEngine()
-    tracker = AdapterTracker(engine)
+    adapters = LoRAAdapters(["tiny"], enabled=True)
 
     async def scenario():
-        await tracker.add_lora(Request("sql", 1))
-        await tracker.add_lora(Request("chat", 2))
+        await adapters.load(engine, "sql", "/a/sql")
+        await adapters.load(engine, "chat", "/a/chat")
         with pytest.raises(ValueError):
-            await tracker.add_lora(Request("broken", 3))  # never read: never held
-        assert tracker.names() == ["chat", "sql"]
-        assert await tracker.remove_lora(1) is True
-        assert tracker.names() == ["chat"]
+            await adapters.load(engine, "broken", "/a/broken")  # never read: never held
+        assert adapters.read_by(engine) == ["chat", "sql"]
+        await adapters.unload(lambda base: engine, "sql")
+        assert adapters.read_by(engine) == ["chat"]
+        assert adapters.read_by(FakeEngine()) == []  # another replica's engine read nothing
 
     asyncio.run(scenario())
     assert engine.calls == [("add", 1), ("add", 2), ("remove", 1)]
-    assert tracker.model_root == "/m"  # everything else is the engine's
 
 
 # ---- multiplexed routing -------------------------------------------------------------------------------------

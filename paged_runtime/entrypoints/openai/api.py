@@ -263,6 +263,7 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
     models.bind(make_routes)
     created = int(time.time())
     router = APIRouter(route_class=OpenAIRoute)
+    router.lora_adapters = adapters  # for hosts that serve the adapters on routes of their own (KServe, Ray)
 
     async def read_static_adapters() -> None:  # at start-up: a --lora-modules adapter that cannot run fails it
         await adapters.check_static(models.loaded_engine)
@@ -481,7 +482,9 @@ def build_app(engine: EngineClient | ModelSet, served_model_names: Sequence[str]
     """
     from paged_runtime import __version__
     app = FastAPI(title="paged-runtime OpenAI-compatible server", version=__version__)
-    app.include_router(build_router(engine, served_model_names, **router_options))
+    router = build_router(engine, served_model_names, **router_options)
+    app.include_router(router)
+    app.state.lora_adapters = router.lora_adapters  # the adapters this app serves (lora_adapters.LoRAAdapters)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

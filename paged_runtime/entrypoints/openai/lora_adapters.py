@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_runtime.entrypoints.openai.errors import OpenAIError, bad_request, model_not_found
-from paged_runtime.lora.request import LoRAModule, LoRARequest
+from paged_runtime.lora.request import LoRAError, LoRAModule, LoRARequest
 
 SEPARATOR = ":"  # "base:adapter"
 
@@ -149,11 +149,21 @@ class LoRAAdapters:
 
     async def check_static(self, engine_of) -> None:
         """Have each loaded base engine (``engine_of(base)``, None if not loaded) read and check its
-        ``--lora-modules`` adapters (at start-up)."""
-        for adapter in list(self._by_name.values()):
+        ``--lora-modules`` adapters (at start-up); ``LoRAError`` names the first that cannot run, and why."""
+        for name, adapter in list(self._by_name.items()):
             engine = engine_of(adapter.base)
-            if engine is not None:
+            if engine is None:
+                continue
+            try:
                 await self._read(engine, adapter.request)
+            except LoRAError as e:
+                raise LoRAError(f"--lora-modules adapter {name!r} ({adapter.request.lora_path}) cannot be served "
+                                f"over {adapter.base!r}: {e}") from e
+
+    def read_by(self, engine) -> list[str]:
+        """The adapters ``engine`` has read and that are still served (what a replica holds, for routing)."""
+        held = self._held.get(engine, set())
+        return sorted(name for name, a in self._by_name.items() if a.request.lora_int_id in held)
 
     # ---- listing --------------------------------------------------------------------------------------
     def listing(self, created: int) -> list[dict]:
