@@ -82,6 +82,7 @@ _SIGNATURES = {
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                                    _f32, _ptr, _int, _int, _ptr], _int),
     "pr_decode_layers": ([_ptr, _i64, _ptr, _ptr, _ptr, _int], _int),
+    "pr_lora_delta": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int], _int),
     "pr_gguf_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int], _int),
     "pr_gguf_dequantize": ([_ptr, _ptr, _i64, _i64, _int, _int], _int),
     "pr_gguf_force_scalar": ([_int], None),
@@ -105,8 +106,13 @@ class _Part(ctypes.Structure):
     _fields_ = [("data", _ptr), ("rows", _i64), ("type", _i64)]
 
 
+class _LoRA(ctypes.Structure):
+    _fields_ = [("a", _ptr), ("b", _ptr), ("slots", _i64), ("rank", _i64), ("parts", _i64),
+                ("width", _i64 * MAX_PARTS)]
+
+
 class _Matrix(ctypes.Structure):
-    _fields_ = [("part", _Part * MAX_PARTS), ("parts", _i64)]
+    _fields_ = [("part", _Part * MAX_PARTS), ("parts", _i64), ("lora", _LoRA)]
 
 
 class _Norm(ctypes.Structure):
@@ -123,7 +129,7 @@ class _LayerWeights(ctypes.Structure):
 
 
 class _DecodeStep(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("positions", _ptr), ("slots", _ptr), ("paged", _Paged)]
+    _fields_ = [("rows", _i64), ("positions", _ptr), ("slots", _ptr), ("lora_slots", _ptr), ("paged", _Paged)]
 
 
 class _StackLayer(ctypes.Structure):
@@ -131,7 +137,7 @@ class _StackLayer(ctypes.Structure):
                 ("scale", _f32), ("softcap", _f32), ("cos", _ptr), ("sin", _ptr), ("rot", _i64)]
 
 
-_ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged, 4: _StackLayer}  # pr_abi(i) must equal sizeof these
+_ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged, 4: _StackLayer, 7: _LoRA}  # pr_abi(i): sizeof these
 
 
 class _Loaded:
@@ -416,6 +422,40 @@ def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _lora_slots(a: torch.Tensor, b: torch.Tensor, slices, dtype: torch.dtype, k: int, n: int) -> _LoRA:
+    """A layer's adapter slots (``layers/lora.py``: ``a`` [S, len(slices) * R, k], ``b`` [S, n, R], ``slices``
+    the parts' output widths, summing to n) as the C struct, checked: the C code reads them raw."""
+    slots, rank = a.shape[0], b.shape[-1]
+    if not 1 <= len(slices) <= MAX_PARTS or sum(slices) != n:
+        raise ValueError(f"LoRA slices must be 1..{MAX_PARTS} widths summing to {n}, not {list(slices)}")
+    if a.shape != (slots, len(slices) * rank, k) or b.shape != (slots, n, rank):
+        raise ValueError(f"LoRA slots must be [S, {len(slices)} * R, {k}] and [S, {n}, R], not {list(a.shape)} "
+                         f"and {list(b.shape)}")
+    if a.dtype != dtype or b.dtype != dtype or not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError(f"LoRA slots must be contiguous {dtype} tensors")
+    return _LoRA(a.data_ptr(), b.data_ptr(), slots, rank, len(slices), (_i64 * MAX_PARTS)(*slices))
+
+
+@_op("cpu_lora_delta(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, int[] slices) -> ()",
+     lambda y, x, a, b, row_slots, slices: None)
+def cpu_lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
+                   slices: list[int]) -> None:
+    """``TorchOps.lora_delta`` in one call: y [T, N] += row t's adapter delta, in place, for the rows whose slot
+    ``row_slots[t]`` (int64) is not -1, rounded where the reference rounds (see the C file). Rows are grouped by
+    slot in C, so each adapter's A and B are read once per step; any T (ValueError for a slot out of range)."""
+    (t, k), n = x.shape, y.shape[1]
+    if x.dtype not in DTYPES or y.dtype != x.dtype or y.shape[0] != t or not (x.is_contiguous() and y.is_contiguous()):
+        raise ValueError(f"cpu_lora_delta takes contiguous float32/bfloat16 x and y of {t} rows")
+    if row_slots.dtype != torch.int64 or row_slots.shape != (t,) or not row_slots.is_contiguous():
+        raise ValueError(f"row_slots must be a contiguous int64 [{t}] tensor")
+    lora = _lora_slots(a, b, slices, x.dtype, k, n)
+    rc = _lib().pr_lora_delta(_p(y), _p(x), ctypes.byref(lora), _p(row_slots), t, k, DTYPES[x.dtype])
+    if rc == -1:
+        raise ValueError(f"row_slots names a slot outside [-1, {a.shape[0]})")
+    if rc:
+        raise MemoryError("pr_lora_delta could not allocate its scratch")
+
+
 @_op("cpu_paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
      "int block_size, float scale, int window=0, float softcap=0., Tensor? kv_scale=None) -> Tensor",
      lambda q, kv_cache, block_tables, context_lens, block_size, scale, window=0, softcap=0., kv_scale=None:
@@ -486,8 +526,9 @@ def _kinds() -> dict[str, int]:
 
 
 def _matrix(matrix, dtype: torch.dtype, k: int) -> _Matrix:
-    """A description's matrix (``parts``: (tensor, type) stacked by output rows) as the C struct, checked: PLAIN
-    parts contiguous [rows, k] in the model dtype, GGUF ones their blocks of k inputs."""
+    """A description's matrix (``parts``: (tensor, type) stacked by output rows; ``lora``: its adapter slots or
+    None) as the C struct, checked: PLAIN parts contiguous [rows, k] in the model dtype, GGUF ones their blocks of
+    k inputs, slots as ``cpu_lora_delta`` takes them."""
     if not 1 <= len(matrix.parts) <= MAX_PARTS:
         raise ValueError(f"a decode-stack matrix has 1..{MAX_PARTS} parts, not {len(matrix.parts)}")
     parts = []
@@ -498,7 +539,10 @@ def _matrix(matrix, dtype: torch.dtype, k: int) -> _Matrix:
         else:
             _gguf_weight(weight, qtype, k)
         parts.append(_Part(weight.data_ptr(), weight.shape[0], qtype))
-    return _Matrix((_Part * MAX_PARTS)(*parts), len(parts))
+    lora = matrix.lora
+    slots = _LoRA() if lora is None else _lora_slots(lora.a, lora.b, lora.slices, dtype, k,
+                                                      sum(part.rows for part in parts))
+    return _Matrix((_Part * MAX_PARTS)(*parts), len(parts), slots)
 
 
 def _norm(norm, dtype: torch.dtype, width: int) -> _Norm:
@@ -547,37 +591,46 @@ class DecodeStack:
             raise ValueError("a decode stack's layers share their head counts and head size")
         self.dtype, self.heads, self.kv_heads, self.dim = dtype, first.heads, first.kv_heads, first.head_dim
         self.kv_dt = _kv_dt(first.kv_cache, dtype)
+        # whether any matrix has adapter slots (then a step's rows may run adapters)
+        self.lora = any(getattr(d, name).lora is not None for d in layers for name in MATRICES)
         self.layers = layers  # keeps every tensor the array points into alive
         self.weights = [_layer_weights(d, dtype) for d in layers]  # the structs the array's pointers name
         self.array = (_StackLayer * len(layers))(*(_stack_layer(d, w, dtype) for d, w in zip(layers, self.weights)))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> None:
+            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+            lora_slots: torch.Tensor | None = None) -> None:
         """The layers over a step of at most max_rows() one-token query rows, in one call (one thread team): each
         stores its K/V in its cache, x (the first layer's input) becomes the last layer's output and residual is
-        advanced (zeros before the first layer). ``positions``: the rows of the RoPE tables."""
+        advanced (zeros before the first layer). ``positions``: the rows of the RoPE tables. ``lora_slots``: each
+        row's adapter slot (int64, -1: none; ``LoRAStep.row_slots``), or None: no row runs one; its delta joins
+        every product of a matrix with slots, as ``cpu_lora_delta`` adds it op by op."""
         if x.dtype != self.dtype:
             raise ValueError(f"this decode stack computes in {self.dtype}, not {x.dtype}")
+        if lora_slots is not None and not self.lora:
+            raise ValueError("this decode stack's layers have no adapter slots")
         cpu_decode_stack(x, residual, ctypes.addressof(self.array), len(self.layers), positions, slots, block_tables,
-                         context_lens, block_size, self.heads, self.kv_heads, self.dim, self.kv_dt)
+                         context_lens, block_size, self.heads, self.kv_heads, self.dim, self.kv_dt, lora_slots)
 
 
 @_op("cpu_decode_stack(Tensor(a!) x, Tensor(b!) residual, int stack, int num_layers, Tensor positions, "
      "Tensor slots, Tensor block_tables, Tensor context_lens, int block_size, int heads, int kv_heads, int dim, "
-     "int kv_dt) -> ()",
+     "int kv_dt, Tensor? lora_slots=None) -> ()",
      lambda *args, **kwargs: None)
 def cpu_decode_stack(x: torch.Tensor, residual: torch.Tensor, stack: int, num_layers: int, positions: torch.Tensor,
                      slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                     heads: int, kv_heads: int, dim: int, kv_dt: int) -> None:
+                     heads: int, kv_heads: int, dim: int, kv_dt: int, lora_slots: torch.Tensor | None = None) -> None:
     """``DecodeStack.run``'s call: ``stack`` is the address of a live DecodeStack's array of ``num_layers``
     layers (its K/V caches are written through it). Index tensors int64, contiguous (checked: the C code reads
-    them raw)."""
-    index = (positions, slots, block_tables, context_lens)
+    them raw); ``lora_slots`` one per row (the C code checks each against the slots)."""
+    index = (positions, slots, block_tables, context_lens) + (() if lora_slots is None else (lora_slots,))
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
         raise ValueError("cpu_decode_stack takes contiguous int64 indices")
+    if lora_slots is not None and lora_slots.shape != positions.shape:
+        raise ValueError(f"lora_slots must have one entry per row, {positions.shape[0]}")
     paged = _Paged(_p(block_tables), _p(context_lens), block_tables.stride(0), block_size, heads, kv_heads, dim, 0,
                    0., 0., kv_dt, None)
-    step = _DecodeStep(positions.shape[0], _p(positions), _p(slots), paged)
+    step = _DecodeStep(positions.shape[0], _p(positions), _p(slots), _p(lora_slots), paged)
     rc = _lib().pr_decode_layers(stack, num_layers, ctypes.byref(step), _p(x), _p(residual), DTYPES[x.dtype])
     if rc:
         raise RuntimeError(f"pr_decode_layers failed ({rc}) for {x.shape[0]} rows")

@@ -305,6 +305,288 @@ int pr_linear(const void *x, const void *w, const void *bias, void *out, int64_t
     return 0;
 }
 
+/* ---- LoRA: each row's adapter delta on a product ------------------------------------------------ */
+
+/* A linear layer's adapter slots (layers/lora.py): slot s holds A_s, the N parts' rank rows stacked (part i's
+ * at rows i * rank ..), and B_s, whose output column n reads the ranks of the part n falls in (parts in order
+ * along the output, `width` columns each). Ranks below `rank` are zero-padded: they add exact zeros. */
+enum { MAX_PARTS = 3 }; /* parts of a fused matrix (q | k | v) */
+typedef struct {
+    const void *a, *b; /* dt, [slots, parts * rank, K] and [slots, N, rank]; a NULL: no slots */
+    int64_t slots, rank, parts;
+    int64_t width[MAX_PARTS];
+} LoraSlots;
+
+#ifndef LORA_GROUP
+#define LORA_GROUP 16 /* most rows of one group: its x rows stay in cache while each rank row of A meets them */
+#endif
+#define LORA_TILE 64 /* ranks per transposed tile of B (4 KB): any rank runs in passes of this many */
+
+/* A step's rows that run adapters, grouped by slot: group g is rows row[first[g] .. first[g + 1]), all of slot
+ * slot[g], ascending. So each slot's A and B are read once per group, not once per row. */
+typedef struct {
+    int64_t count;
+    int64_t *slot, *first, *row; /* [rows], [rows + 1], [rows] */
+} LoraRows;
+
+static int cmp_i64(const void *p, const void *q) {
+    int64_t a = *(const int64_t *)p, b = *(const int64_t *)q;
+    return (a > b) - (a < b);
+}
+
+/* Groups the rows t < T of row_slots (-1: the base model) into g (its arrays hold T entries, first T + 1).
+ * Returns -1 where a row names a slot outside [-1, slots). */
+static int lora_rows(const int64_t *row_slots, int64_t T, int64_t slots, LoraRows *g) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++) {
+        if (row_slots[t] < -1 || row_slots[t] >= slots) return -1;
+        if (row_slots[t] >= 0) g->row[n++] = row_slots[t] * T + t; /* sorts by slot, then row */
+    }
+    qsort(g->row, (size_t)n, sizeof(int64_t), cmp_i64);
+    g->count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t s = g->row[i] / T;
+        g->row[i] %= T;
+        if (!g->count || s != g->slot[g->count - 1] || i - g->first[g->count - 1] == LORA_GROUP)
+            g->slot[g->count] = s, g->first[g->count++] = i;
+    }
+    g->first[g->count] = n;
+    return 0;
+}
+
+#ifdef VEC16
+/* dot_rows for G rows of x found through pointers (a group's rows are not adjacent): sums[i] = w . x[i]. */
+static inline __attribute__((always_inline)) void dot_rows_at(const void *w, int64_t K, int dt,
+                                                              const float *const *x, const int G, float *sums) {
+    V16 acc[8];
+    for (int i = 0; i < G; i++) acc[i] = v16_zero();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (dt == F32 || (k & 16) == 0) /* once per 64-byte line */
+            _mm_prefetch((const char *)w + k * (dt == BF16 ? 2 : 4) + PREFETCH, _MM_HINT_T0);
+        V16 wv = load16(w, k, dt);
+        for (int i = 0; i < G; i++) acc[i] = v16_fmadd(wv, v16_loadf(x[i] + k), acc[i]);
+    }
+#ifdef __AVX512F__
+    if (k < K) {
+        __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv = load16_masked(w, k, dt, mask);
+        for (int i = 0; i < G; i++) acc[i] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x[i] + k), acc[i]);
+    }
+    for (int i = 0; i < G; i++) sums[i] = v16_sum(acc[i]);
+#else
+    for (int i = 0; i < G; i++) {
+        sums[i] = v16_sum(acc[i]);
+        for (int64_t j = k; j < K; j++) sums[i] += load(w, j, dt) * x[i][j];
+    }
+#endif
+}
+
+/* Elements i .. i + n - 1 (n <= 16) of p, zeros in the lanes after. */
+static inline V16 load16_first(const void *p, int64_t i, int64_t n, int dt) {
+#ifdef __AVX512F__
+    return load16_masked(p, i, dt, (__mmask16)((1u << n) - 1));
+#else
+    if (n == 8) /* rank 8 (or 24, 40 ...): one half, never reading past the 8 */
+        return v16_pair(dt == BF16 ? bf16x8_to_f32((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i),
+                        _mm256_setzero_ps());
+    float tmp[16] = {0};
+    for (int64_t k = 0; k < n; k++) tmp[k] = load(p, i + k, dt);
+    return v16_loadf(tmp);
+#endif
+}
+
+/* out = m transposed (16 x 16): lane q of m[r] becomes lane r of out[q]. */
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void v16_transpose16(V16 *m, V16 *out) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane L: rows 2i, 2i + 1 interleaved */
+        t[2 * i] = _mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]);
+    for (int i = 0; i < 4; i++) /* m[4i + e], 128-bit lane L: column 4L + e of rows 4i .. 4i + 3 */
+        for (int e = 0; e < 2; e++) {
+            __m512d x = _mm512_castps_pd(t[4 * i + e]), y = _mm512_castps_pd(t[4 * i + 2 + e]);
+            m[4 * i + 2 * e] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            m[4 * i + 2 * e + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+    for (int e = 0; e < 4; e++) { /* the four 128-bit lanes of a column, gathered */
+        __m512 ab_lo = _mm512_shuffle_f32x4(m[e], m[4 + e], 0x44), ab_hi = _mm512_shuffle_f32x4(m[e], m[4 + e], 0xee);
+        __m512 cd_lo = _mm512_shuffle_f32x4(m[8 + e], m[12 + e], 0x44);
+        __m512 cd_hi = _mm512_shuffle_f32x4(m[8 + e], m[12 + e], 0xee);
+        out[e] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88), out[4 + e] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xdd);
+        out[8 + e] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88), out[12 + e] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xdd);
+    }
+}
+#else
+static inline void transpose8(__m256 *r) { /* 8 x 8, in place */
+    __m256 t[8], s[8];
+    for (int i = 0; i < 4; i++)
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    for (int h = 0; h < 2; h++) /* s[4h + c], 128-bit lane L: column 4L + c of rows 4h .. 4h + 3 */
+        for (int e = 0; e < 2; e++) {
+            s[4 * h + 2 * e] = _mm256_shuffle_ps(t[4 * h + e], t[4 * h + 2 + e], 0x44);
+            s[4 * h + 2 * e + 1] = _mm256_shuffle_ps(t[4 * h + e], t[4 * h + 2 + e], 0xee);
+        }
+    for (int c = 0; c < 4; c++)
+        r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20), r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+}
+static inline void v16_transpose16(V16 *m, V16 *out) { /* four 8 x 8 blocks, the off-diagonal ones swapped */
+    __m256 a[8], b[8], c[8], d[8];
+    for (int i = 0; i < 8; i++) a[i] = m[i].lo, b[i] = m[i].hi, c[i] = m[8 + i].lo, d[i] = m[8 + i].hi;
+    transpose8(a), transpose8(b), transpose8(c), transpose8(d);
+    for (int i = 0; i < 8; i++) out[i] = v16_pair(a[i], c[i]), out[8 + i] = v16_pair(b[i], d[i]);
+}
+#endif
+
+/* bt[r * 16 + q] = rank r0 + r of B row n + q (fp32), r < rc (<= LORA_TILE), q < 16: zeros from q = nb on. */
+static void lora_tile(const void *b, int64_t n, int64_t nb, int64_t R, int64_t r0, int64_t rc, int dt, float *bt) {
+    for (int64_t c = 0; c < rc; c += 16) {
+        int64_t w = rc - c < 16 ? rc - c : 16;
+        const char *row = (const char *)b + ((n * R + r0 + c) << (dt == BF16 ? 1 : 2));
+        V16 m[16], t[16];
+        if (nb == 16 && w == 16) { /* whole tiles: constant trip counts, so it all stays in registers */
+            for (int q = 0; q < 16; q++) m[q] = load16(row, q * R, dt);
+            v16_transpose16(m, t);
+            for (int r = 0; r < 16; r++) v16_storef(bt + (c + r) * 16, t[r]);
+            continue;
+        }
+        for (int64_t q = 0; q < 16; q++) m[q] = q < nb ? load16_first(row, q * R, w, dt) : v16_zero();
+        v16_transpose16(m, t);
+        for (int64_t r = 0; r < w; r++) v16_storef(bt + (c + r) * 16, t[r]);
+    }
+}
+#else
+static inline void dot_rows_at(const void *w, int64_t K, int dt, const float *const *x, int G, float *sums) {
+    for (int i = 0; i < G; i++) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; k++) s += load(w, k, dt) * x[i][k];
+        sums[i] = s;
+    }
+}
+#endif
+
+/* y[at + q] += dt(d[q]) for q < nb (<= 16), rounded once: the reference's F.linear, then its add. */
+static void lora_add(const float *d, int64_t nb, int dt, void *y, int64_t at) {
+#ifdef VEC16
+    if (nb == 16) {
+        store16(y, at, round16(v16_add(load16(y, at, dt), round16(v16_loadf(d), dt)), dt), dt);
+        return;
+    }
+#endif
+    for (int64_t q = 0; q < nb; q++) store(y, at + q, load(y, at + q, dt) + rnd(d[q], dt), dt);
+}
+
+/* Columns n .. n + nb - 1 (nb <= 16) of group k's delta for one part: y row t += dt(B_s u_t), u_t its rows'
+ * part ranks (u + t * NR + offset). With vector paths, the 16 B rows are transposed once into bt (LORA_TILE
+ * ranks at a time) and each row of the group is then 16 columns per FMA: u_t[r] times bt's rank r. */
+static void lora_expand_block(const void *b, int64_t n, int64_t nb, int64_t R, int dt, const LoraRows *g,
+                              int64_t k, const float *u, int64_t NR, int64_t offset, void *y, int64_t N) {
+    float d[LORA_GROUP][16] __attribute__((aligned(64)));
+    int64_t first = g->first[k], rows = g->first[k + 1] - first;
+#ifdef VEC16
+    float bt[LORA_TILE * 16] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < R; r0 += LORA_TILE) {
+        int64_t rc = R - r0 < LORA_TILE ? R - r0 : LORA_TILE;
+        lora_tile(b, n, nb, R, r0, rc, dt, bt);
+        for (int64_t j = 0; j < rows; j++) {
+            const float *v = u + g->row[first + j] * NR + offset + r0;
+            V16 even = r0 ? v16_loadf(d[j]) : v16_zero(), odd = v16_zero(); /* two chains: FMA latency */
+            int64_t r = 0;
+            for (; r + 2 <= rc; r += 2) {
+                even = v16_fmadd(v16_loadf(bt + r * 16), v16_set1(v[r]), even);
+                odd = v16_fmadd(v16_loadf(bt + (r + 1) * 16), v16_set1(v[r + 1]), odd);
+            }
+            if (r < rc) even = v16_fmadd(v16_loadf(bt + r * 16), v16_set1(v[r]), even);
+            v16_storef(d[j], v16_add(even, odd));
+        }
+    }
+#else
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t q = 0; q < nb; q++) {
+            const float *v = u + g->row[first + j] * NR + offset;
+            d[j][q] = 0.f;
+            for (int64_t r = 0; r < R; r++) d[j][q] += load(b, (n + q) * R + r, dt) * v[r];
+        }
+#endif
+    for (int64_t j = 0; j < rows; j++) lora_add(d[j], nb, dt, y, g->row[first + j] * N + n);
+}
+
+/* The calling thread's share of the shrink (every thread calls it): u (fp32, [T, parts * rank], rows as x's)
+ * = dt(A_s x_t) for the grouped rows t, s their slot; xf fp32 [T, K]. Items are (group, rank row of A): a rank
+ * row is read once for its group's rows, up to 8 at a time. */
+static void lora_shrink_part(const LoraSlots *L, const LoraRows *g, int64_t K, int dt, const float *xf, float *u) {
+    int64_t NR = L->parts * L->rank, elem = dt == BF16 ? 2 : 4, begin, end;
+    thread_range(g->count * NR, &begin, &end);
+    for (int64_t item = begin; item < end; item++) {
+        int64_t k = item / NR, j = item % NR;
+        const void *a = (const char *)L->a + (g->slot[k] * NR + j) * K * elem;
+        for (int64_t i0 = g->first[k]; i0 < g->first[k + 1]; i0 += 8) {
+            int G = g->first[k + 1] - i0 < 8 ? (int)(g->first[k + 1] - i0) : 8;
+            const float *x[8];
+            float sums[8];
+            for (int i = 0; i < G; i++) x[i] = xf + g->row[i0 + i] * K;
+            switch (G) { /* constant row count per case, as linear_rows */
+            case 1: dot_rows_at(a, K, dt, x, 1, sums); break;
+            case 2: dot_rows_at(a, K, dt, x, 2, sums); break;
+            case 3: dot_rows_at(a, K, dt, x, 3, sums); break;
+            case 4: dot_rows_at(a, K, dt, x, 4, sums); break;
+            case 5: dot_rows_at(a, K, dt, x, 5, sums); break;
+            case 6: dot_rows_at(a, K, dt, x, 6, sums); break;
+            case 7: dot_rows_at(a, K, dt, x, 7, sums); break;
+            default: dot_rows_at(a, K, dt, x, 8, sums); break;
+            }
+            for (int i = 0; i < G; i++) u[g->row[i0 + i] * NR + j] = rnd(sums[i], dt);
+        }
+    }
+}
+
+/* The calling thread's share of the expand, after every thread's shrink: y (dt, [T, N]) += dt(B_s u_t) by
+ * part for the grouped rows, one rounding of the sum. Threads take contiguous runs of output columns; per
+ * group, blocks of 16 columns (each B row read once per group), then the group's rows. */
+static void lora_expand_part(const LoraSlots *L, const LoraRows *g, int dt, const float *u, void *y) {
+    int64_t N = 0, R = L->rank, NR = L->parts * R, elem = dt == BF16 ? 2 : 4, begin, end;
+    for (int64_t i = 0; i < L->parts; i++) N += L->width[i];
+    thread_range(N, &begin, &end);
+    for (int64_t i = 0, first = 0; i < L->parts; first += L->width[i], i++) {
+        int64_t lo = begin > first ? begin : first, hi = end < first + L->width[i] ? end : first + L->width[i];
+        for (int64_t k = 0; k < g->count && lo < hi; k++) {
+            const char *b = (const char *)L->b + g->slot[k] * N * R * elem;
+            for (int64_t n = lo; n < hi; n += 16)
+                lora_expand_block(b, n, hi - n < 16 ? hi - n : 16, R, dt, g, k, u, NR, i * R, y, N);
+        }
+    }
+}
+
+/* y (dt, [T, N]) += each row's adapter delta in place, as TorchOps.lora_delta computes it: for row t of slot
+ * s = row_slots[t] (-1: none), u = dt(A_s x_t), then per part dt(B_s u) added to y with one rounding (fp32
+ * sums throughout). Returns -1 for a slot outside [-1, L->slots), -2 if scratch is not had. */
+int pr_lora_delta(void *y, const void *x, const LoraSlots *L, const int64_t *row_slots, int64_t T, int64_t K,
+                  int dt) {
+    int64_t NR = L->parts * L->rank, convert = dt == BF16 ? T * K : 0;
+    char *scratch = alloc_lines(sizeof(float) * (convert + T * NR) + sizeof(int64_t) * (3 * T + 1));
+    if (!scratch) return -2;
+    float *xs = (float *)scratch, *u = xs + convert;
+    const float *xf = convert ? xs : (const float *)x;
+    int64_t *index = (int64_t *)(u + T * NR);
+    LoraRows g = {0, index, index + T, index + 2 * T + 1};
+    int rc = lora_rows(row_slots, T, L->slots, &g);
+    if (rc || !g.count) {
+        free(scratch);
+        return rc;
+    }
+#pragma omp parallel
+    {
+        if (convert) {
+#pragma omp for
+            for (int64_t i = 0; i < convert; i++) xs[i] = load(x, i, dt);
+        }
+        lora_shrink_part(L, &g, K, dt, xf, u);
+#pragma omp barrier
+        lora_expand_part(L, &g, dt, u, y);
+    }
+    free(scratch);
+    return 0;
+}
+
 /* ---- RMSNorm, optionally after the residual add --------------------------------------------- */
 
 /* How a norm applies its weight (the model's RMSNorm class): NORM_RMS as Llama, weight * dt(h * inv);
@@ -1728,8 +2010,9 @@ int64_t pr_gguf_abi(int what) {
 /* ---- one whole decoder layer for a decode step ---------------------------------------------- */
 
 /* A matrix of the layer as up to MAX_PARTS parts stacked by output rows (q | k | v, gate | up), each held
- * as PLAIN weights (the model dtype, [rows, K]) or in a GGUF type's blocks ([rows, row bytes]). */
-enum { PLAIN = -1, MAX_PARTS = 3 };
+ * as PLAIN weights (the model dtype, [rows, K]) or in a GGUF type's blocks ([rows, row bytes]), and its
+ * adapter slots where LoRA is on (lora.a NULL: none; the rows running adapters are the step's). */
+enum { PLAIN = -1 };
 typedef struct {
     const void *data;
     int64_t rows, type;
@@ -1737,6 +2020,7 @@ typedef struct {
 typedef struct {
     Part part[MAX_PARTS];
     int64_t parts;
+    LoraSlots lora;
 } Matrix;
 
 /* A norm of the layer: its weight (NULL: the layer has none there) and how it applies it (NORM_*). */
@@ -1788,9 +2072,21 @@ static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, co
     }
 }
 
-/* 0 if every part's type is PLAIN or known and K whole blocks of it, at most MAX_PARTS parts; else -1. */
+/* 0 if the slots' parts span the matrix's N outputs, else -1 (no slots: 0). */
+static int lora_check(const Matrix *W) {
+    const LoraSlots *L = &W->lora;
+    int64_t N = 0, width = 0;
+    if (!L->a) return 0;
+    if (!L->b || L->slots < 1 || L->rank < 1 || L->parts < 1 || L->parts > MAX_PARTS) return -1;
+    for (int64_t i = 0; i < W->parts; i++) N += W->part[i].rows;
+    for (int64_t i = 0; i < L->parts; i++) width += L->width[i];
+    return width == N ? 0 : -1;
+}
+
+/* 0 if every part's type is PLAIN or known and K whole blocks of it, at most MAX_PARTS parts, and any adapter
+ * slots fit; else -1. */
 static int matrix_check(const Matrix *W, int64_t K) {
-    if (W->parts < 1 || W->parts > MAX_PARTS) return -1;
+    if (W->parts < 1 || W->parts > MAX_PARTS || lora_check(W)) return -1;
     for (int64_t i = 0; i < W->parts; i++)
         if (W->part[i].type != PLAIN &&
             (gguf_check(K, (int)W->part[i].type) || (gguf_x8((int)W->part[i].type) && W->part[i].rows % 8)))
@@ -1801,6 +2097,7 @@ static int matrix_check(const Matrix *W, int64_t K) {
 typedef struct {
     int64_t rows; /* M <= MAX_ROWS single-token decodes */
     const int64_t *positions, *slots; /* positions: the rows of the RoPE tables (LongRoPE's offsets in) */
+    const int64_t *lora_slots;        /* each row's adapter slot (-1: none); NULL: no row runs an adapter */
     Paged paged;                      /* the common terms; window, scale, softcap and kv_scale are each layer's */
 } DecodeStep;
 
@@ -1819,6 +2116,8 @@ typedef struct {
 typedef struct {
     float *xf, *scratch;
     char *qkv, *attn_out, *gate_up, *acts; /* acts: a linear's input as int8 runs, for GGUF parts */
+    float *u;                              /* a product's adapter shrink, [M, parts * rank] */
+    LoraRows lora;                         /* the step's rows that run adapters (count 0: none) */
 } LayerWork;
 
 static int64_t widest_input(const LayerWeights *W, const Paged *P) {
@@ -1833,6 +2132,18 @@ static void norm_heads(const LayerWeights *W, const Paged *P, char *row, int64_t
         char *head = row + elem * h * P->dim;
         if (norm->weight) rms_norm_row(head, NULL, norm->weight, head, NULL, 0, P->dim, eps, dt, (int)norm->kind);
     }
+}
+
+/* matrix_part, then the step's adapter delta where the matrix has slots (every thread calls it): the shrink,
+ * then, once every thread's columns of the product are in out (a packed GGUF part's thread writes other
+ * columns than thread_range's), the expand. The same arithmetic as the product, then cpu_lora_delta. */
+static void product_part(const Matrix *W, const void *bias, int64_t K, int dt, const float *xf, int M,
+                         const LayerWork *w, void *out) {
+    matrix_part(W, bias, K, dt, xf, M, w->acts, out);
+    if (!w->lora.count || !W->lora.a) return;
+    lora_shrink_part(&W->lora, &w->lora, K, dt, xf, w->u);
+#pragma omp barrier
+    lora_expand_part(&W->lora, &w->lora, dt, w->u, out);
 }
 
 /* The activation's share of the calling thread (every thread calls it), into xf. */
@@ -1856,7 +2167,7 @@ static void decode_layer(const StackLayer *L, const Paged *P, const DecodeStep *
 #pragma omp for
     for (int64_t m = 0; m < M; m++)
         rms_norm_row(x, residual, W->attn_norm.weight, NULL, xf, m, H, W->eps, dt, (int)W->attn_norm.kind);
-    matrix_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, w->acts, w->qkv);
+    product_part(&W->qkv, W->qkv_bias, H, dt, xf, (int)M, w, w->qkv);
 #pragma omp barrier
 #pragma omp for
     for (int64_t m = 0; m < M; m++) {
@@ -1868,7 +2179,7 @@ static void decode_layer(const StackLayer *L, const Paged *P, const DecodeStep *
     attend_part(P, w->qkv, qkv_size, L->kv_cache, M, w->scratch + per_thread * omp_get_thread_num(), NULL, xf,
                 dt);
 #pragma omp barrier
-    matrix_part(&W->o, NULL, q_size, dt, xf, (int)M, w->acts, w->attn_out);
+    product_part(&W->o, NULL, q_size, dt, xf, (int)M, w, w->attn_out);
 #pragma omp barrier
 #pragma omp for
     for (int64_t m = 0; m < M; m++) {
@@ -1877,12 +2188,12 @@ static void decode_layer(const StackLayer *L, const Paged *P, const DecodeStep *
                          (int)W->attn_out_norm.kind);
         rms_norm_row(w->attn_out, residual, W->mlp_norm.weight, NULL, xf, m, H, W->eps, dt, (int)W->mlp_norm.kind);
     }
-    matrix_part(&W->gate_up, NULL, H, dt, xf, (int)M, w->acts, w->gate_up);
+    product_part(&W->gate_up, NULL, H, dt, xf, (int)M, w, w->gate_up);
 #pragma omp barrier
     activate_part(W, w->gate_up, xf, M, dt);
 #pragma omp barrier
     /* with an output norm the MLP's product goes to attn_out (free again), the norm of it to x */
-    matrix_part(&W->down, NULL, W->intermediate, dt, xf, (int)M, w->acts, W->mlp_out_norm.weight ? w->attn_out : x);
+    product_part(&W->down, NULL, W->intermediate, dt, xf, (int)M, w, W->mlp_out_norm.weight ? w->attn_out : x);
 #pragma omp barrier
     if (W->mlp_out_norm.weight) {
 #pragma omp for
@@ -1892,14 +2203,29 @@ static void decode_layer(const StackLayer *L, const Paged *P, const DecodeStep *
     } /* (the omp for's implied barrier: x is the next layer's input) */
 }
 
+/* The widest adapter shrink of the layer's matrices (parts * rank; 0: none has slots); *slots becomes the
+ * fewest slots any of them has, if fewer. */
+static int64_t lora_width(const LayerWeights *W, int64_t *slots) {
+    const Matrix *matrices[4] = {&W->qkv, &W->o, &W->gate_up, &W->down};
+    int64_t width = 0;
+    for (int i = 0; i < 4; i++) {
+        const LoraSlots *L = &matrices[i]->lora;
+        if (!L->a) continue;
+        width = L->parts * L->rank > width ? L->parts * L->rank : width;
+        *slots = L->slots < *slots ? L->slots : *slots;
+    }
+    return width;
+}
+
 /* A decode step's decoder layers, layers[0] .. layers[n - 1] in turn, in one parallel region: no
  * interpreter and no thread wake-up between operations or layers. S->paged gives the attention's common
- * terms (its window and kv_scale are each layer's own). Returns -1 for a bad row count or weight layout,
- * -2 if the work buffers cannot be allocated. */
+ * terms (its window and kv_scale are each layer's own); S->lora_slots, where given, each row's adapter slot
+ * (its delta added after each product of a matrix with slots). Returns -1 for a bad row count, weight layout
+ * or adapter slot, -2 if the work buffers cannot be allocated. */
 int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, void *x, void *residual, int dt) {
     int64_t M = S->rows, threads = omp_get_max_threads(), elem = dt == BF16 ? 2 : 4;
     int64_t per_thread = attention_scratch(&S->paged, max_context(S->paged.context_lens, M));
-    int64_t widest = 0, qkv_size = 0, H = 0, I = 0;
+    int64_t widest = 0, qkv_size = 0, H = 0, I = 0, lora = 0, slots = INT64_MAX;
     if (M < 1 || M > MAX_ROWS || n < 1) return -1;
     for (int64_t l = 0; l < n; l++) {
         const LayerWeights *W = layers[l].weights;
@@ -1910,19 +2236,24 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
             !W->attn_norm.weight || !W->mlp_norm.weight || layers[l].rot < 2 || layers[l].rot > P->dim ||
             layers[l].rot % 2)
             return -1;
-        widest = wide > widest ? wide : widest;
+        int64_t shrink = lora_width(W, &slots);
+        widest = wide > widest ? wide : widest, lora = shrink > lora ? shrink : lora;
         H = W->hidden > H ? W->hidden : H, I = W->intermediate > I ? W->intermediate : I;
         qkv_size = q_size + 2 * P->kv_heads * P->dim;
     }
-    /* fp32 input of the next linear | attention scratch | qkv (dt) | o output (dt) | gate_up (dt) | that
-     * input as int8 runs, for GGUF parts */
-    int64_t floats = M * widest + per_thread * threads, dts = elem * M * (qkv_size + H + 2 * I);
+    int64_t row[MAX_ROWS], slot[MAX_ROWS], first[MAX_ROWS + 1];
+    LoraRows groups = {0, slot, first, row};
+    if (S->lora_slots && lora && lora_rows(S->lora_slots, M, slots, &groups)) return -1;
+    /* fp32 input of the next linear | attention scratch | adapter shrink | qkv (dt) | o output (dt) | gate_up
+     * (dt) | that input as int8 runs, for GGUF parts */
+    int64_t floats = M * widest + per_thread * threads + M * lora, dts = elem * M * (qkv_size + H + 2 * I);
     char *buffer = alloc_lines(sizeof(float) * floats + dts + gguf_acts_bytes(M, widest));
     if (!buffer) return -2;
     LayerWork w;
-    w.xf = (float *)buffer, w.scratch = w.xf + M * widest;
-    w.qkv = (char *)(w.scratch + per_thread * threads), w.attn_out = w.qkv + elem * M * qkv_size;
+    w.xf = (float *)buffer, w.scratch = w.xf + M * widest, w.u = w.scratch + per_thread * threads;
+    w.qkv = (char *)(w.u + M * lora), w.attn_out = w.qkv + elem * M * qkv_size;
     w.gate_up = w.attn_out + elem * M * H, w.acts = (char *)buffer + sizeof(float) * floats + dts;
+    w.lora = groups;
 #pragma omp parallel
     for (int64_t l = 0; l < n; l++) {
         Paged P = S->paged;
@@ -1937,8 +2268,8 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
 /* ---- what the Python loader reads instead of mirroring by hand -------------------------------- */
 
 /* 0: MAX_ROWS; 1, 2, 3, 4: sizeof LayerWeights, DecodeStep, Paged, StackLayer (cpu.py checks its ctypes
- * structs against these and refuses a library that disagrees); 5, 6: NORM_UNIT_OFFSET, ACT_GELU_TANH; -1 for
- * anything else. */
+ * structs against these and refuses a library that disagrees); 5, 6: NORM_UNIT_OFFSET, ACT_GELU_TANH; 7: sizeof
+ * LoraSlots; -1 for anything else. */
 int64_t pr_abi(int what) {
     switch (what) {
     case 0: return MAX_ROWS;
@@ -1948,6 +2279,7 @@ int64_t pr_abi(int what) {
     case 4: return (int64_t)sizeof(StackLayer);
     case 5: return NORM_UNIT_OFFSET;
     case 6: return ACT_GELU_TANH;
+    case 7: return (int64_t)sizeof(LoraSlots);
     default: return -1;
     }
 }

@@ -12,6 +12,9 @@ The data flow, with the residual carried beside the stream (as every family's fo
     attn_norm(residual += x) -> qkv (+ bias) -> q_norm / k_norm per head -> RoPE -> store K/V -> attention
     -> o -> attn_out_norm -> mlp_norm(residual += that) -> gate_up -> activation -> down -> mlp_out_norm -> x
 
+With LoRA on (``layers/lora.py``) each matrix describes its adapter slots too, and each product (qkv, o,
+gate_up, down) gets each row's delta added as ``LinearBase.forward`` adds it op by op.
+
 What a layer cannot be described as (experts, a weight format the kernels do not read, a tensor-parallel
 shard) raises ``Undescribable``: the model then runs op by op, as it does for every step the plan does not
 take.
@@ -34,9 +37,21 @@ class NormDescription:
 
 
 @dataclass(frozen=True)
+class LoRADescription:
+    """A linear layer's adapter slots (``layers/lora.LoRAWeights``): ``a`` [S, N*R, in], ``b`` [S, out, R],
+    ``slices`` the N parts' output widths; ``step`` the row -> slot map all the layers share, which the runner
+    sets before each step (the plan hands its rows to the C step: each row's delta joins each product)."""
+    a: torch.Tensor
+    b: torch.Tensor
+    slices: tuple[int, ...]
+    step: object  # layers/lora.LoRAStep
+
+
+@dataclass(frozen=True)
 class MatrixDescription:
     parts: tuple[tuple[torch.Tensor, int], ...]  # stacked by output rows: (tensor, PLAIN or a GGUF type id)
     bias: torch.Tensor | None = None
+    lora: LoRADescription | None = None  # the layer's adapter slots, where LoRA is on
 
 
 @dataclass(frozen=True)
@@ -72,8 +87,8 @@ def norm_description(norm, unit_offset: bool = False) -> NormDescription:
 
 
 def matrix_description(linear, bias: bool = False) -> MatrixDescription:
-    """A linear layer as the kernels read it: its method's parts (``LinearMethod.describe``) and, where the
-    step adds one (``bias``: the qkv projection's), its bias."""
+    """A linear layer as the kernels read it: its method's parts (``LinearMethod.describe``), where the
+    step adds one (``bias``: the qkv projection's) its bias, and its adapter slots where it has them."""
     parts = linear.method.describe(linear)
     if parts is None:
         raise Undescribable(f"{type(linear.method).__name__} weights are not read by the compiled decode step")
@@ -81,7 +96,9 @@ def matrix_description(linear, bias: bool = False) -> MatrixDescription:
         raise Undescribable("a tensor-parallel shard needs its all-reduce between the layer's products")
     if linear.bias is not None and not bias:
         raise Undescribable("the compiled decode step adds a bias to the qkv projection only")
-    return MatrixDescription(tuple(parts), linear.bias)
+    lora = linear.lora
+    return MatrixDescription(tuple(parts), linear.bias, None if lora is None else LoRADescription(
+        lora.a, lora.b, lora.slices, lora.step))
 
 
 def attention_fields(attn, rotary) -> dict:

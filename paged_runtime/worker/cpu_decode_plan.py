@@ -10,7 +10,10 @@ layers cannot be described (experts, weight formats the kernels do not read, ten
 by op; the reason is logged once.
 
 Outputs equal the per-op path with the CPU kernels up to the order of fp32 sums (the same roundings to the
-model dtype; ``tests/e2e/test_cpu_kernels_identity.py``).
+model dtype; ``tests/e2e/test_cpu_kernels_identity.py``). With LoRA on, the layers' adapter slots are part of
+the description and the step's row -> slot map (their shared ``LoRAStep``) goes into each run: rows that run
+adapters take the plan too, each product getting its rows' deltas as ``cpu_lora_delta`` adds them op by op
+(``tests/e2e/test_lora_cpu_decode.py``).
 """
 from __future__ import annotations
 
@@ -28,8 +31,12 @@ class CpuDecodePlan:
     def __init__(self, model, dtype: torch.dtype) -> None:
         """``model``: its attention layers bound to their KV caches (raises Undescribable, or ValueError for a
         description the kernels refuse)."""
-        self.stack = cpu_kernels.DecodeStack(model.describe_decoder_layers(), dtype)
+        layers = model.describe_decoder_layers()
+        self.stack = cpu_kernels.DecodeStack(layers, dtype)
         self.max_rows = cpu_kernels.max_rows()
+        # the row -> slot map the layers' adapter slots share (one LoRAStep per model), or None: LoRA is off
+        self.lora_step = next((m.lora.step for d in layers for m in (d.qkv, d.o, d.gate_up, d.down)
+                               if m.lora is not None), None)
 
     @classmethod
     def build(cls, model, dtype: torch.dtype) -> CpuDecodePlan | None:
@@ -52,6 +59,7 @@ class CpuDecodePlan:
         output; residual None before the first layer (zeros)."""
         residual = torch.zeros_like(x) if residual is None else residual
         rows = meta.decode_rows
+        lora_slots = self.lora_step.row_slots if self.lora_step is not None else None
         self.stack.run(x, residual, positions, meta.slot_mapping, rows.block_tables, rows.context_lens,
-                       meta.block_size)
+                       meta.block_size, lora_slots)
         return x, residual

@@ -13,6 +13,11 @@ position 0, a context of one token through block-table row entries that already
 exist. Whatever the captured kernels size on the host is fixed per graph: one query
 per sequence, and the split-KV segment count that ``max_model_len`` would choose
 (segments past a shorter context are empty and weigh nothing in the reduction).
+
+LoRA (``lora_step``): the graphs capture the adapters' shrink / expand launches over a static row -> slot
+buffer, which each replay fills from the step's map (-1 for base-model and padding rows, whose programs
+return at once), so steps that mix adapters replay too; the slot tables themselves are the layers' own
+tensors, loaded in place (``lora/slots.py``).
 """
 from __future__ import annotations
 
@@ -42,8 +47,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, block_size: int, max_num_seqs: int, max_model_len: int, device: torch.device,
-                 capture: Capture = cuda_capture) -> None:
-        """``model``: its attention layers already bound to their KV caches."""
+                 capture: Capture = cuda_capture, lora_step=None) -> None:
+        """``model``: its attention layers already bound to their KV caches; ``lora_step``: its LoRA layers'
+        shared step (``layers/lora.LoRAStep``), or None: LoRA is off."""
         from paged_runtime.kernels.triton_ops import num_kv_splits
         self.model, self.block_size = model, block_size
         self.sizes = capture_sizes(max_num_seqs)
@@ -61,15 +67,27 @@ class DecodeGraphs:
             for s in self.sizes}
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self._capture = capture
+        self.lora_step = lora_step
+        self.row_slots = torch.full((size,), -1, dtype=torch.int64, device=device) if lora_step else None
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Largest first, so the smaller graphs reuse the pool the largest one allocated."""
         pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         for size in reversed(self.sizes):
-            forward = lambda s=size: self.model(self.input_ids[:s], self.positions[:s], self.metas[s])
+            forward = lambda s=size: self._forward(s)
             forward()  # warm-up: Triton compiles and autotunes outside the capture
             self.graphs[size] = self._capture(forward, pool)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the static buffers of ``size`` rows (LoRA's slots read from its static buffer)."""
+        if self.lora_step is None:
+            return self.model(self.input_ids[:size], self.positions[:size], self.metas[size])
+        step_slots, self.lora_step.row_slots = self.lora_step.row_slots, self.row_slots[:size]
+        try:
+            return self.model(self.input_ids[:size], self.positions[:size], self.metas[size])
+        finally:
+            self.lora_step.row_slots = step_slots
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
         """The step's hidden states from a replayed graph, or None when it must run eagerly. They live in the
@@ -88,6 +106,17 @@ class DecodeGraphs:
         self.positions[batch:size].zero_()
         self.slot_mapping[batch:size].fill_(-1)
         self.seq_lens[batch:size].fill_(1)
+        if self.lora_step is not None:
+            self._fill_row_slots(batch, size)
         replay, out = self.graphs[size]
         replay()
         return out[:batch]
+
+    def _fill_row_slots(self, batch: int, size: int) -> None:
+        """The static row -> slot buffer from the step's map (-1: no adapter; padding rows too)."""
+        slots = self.lora_step.row_slots
+        if slots is None:
+            self.row_slots[:size].fill_(-1)
+            return
+        self.row_slots[:batch].copy_(slots)
+        self.row_slots[batch:size].fill_(-1)

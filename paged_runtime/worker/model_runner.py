@@ -123,7 +123,7 @@ class ModelRunner:
         self.lora = lora
         self.graphs = None
         if graphs is not None and attention_backend == "triton":
-            self.graphs = DecodeGraphs(model, block_size, *graphs, device)
+            self.graphs = DecodeGraphs(model, block_size, *graphs, device, lora_step=lora.step if lora else None)
             self.graphs.capture_all()
         # The compiled CPU decode step of each model this runner runs (the drafter's too), over its bound caches.
         self.cpu_plans = {} if attention_backend != "cpu" else {
@@ -215,13 +215,10 @@ class ModelRunner:
         batch = build_batch(items, self.states.block_tables, self.block_size)
         meta = self.build_metadata(batch, self.device)
         input_ids, positions = to_device(self.device, batch.token_ids, self._rope_positions(model, items, batch))
-        # A step whose rows run adapters goes op by op: the captured and compiled steps add no LoRA delta.
-        whole = self.lora is None or self.lora.step.row_slots is None or model is not self.model
-        hidden = self.graphs.run(input_ids, positions, meta) if (
-            self.graphs is not None and model is self.model and whole) else None
+        hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None and model is self.model else None
         if hidden is not None:
             return hidden
-        plan = self.cpu_plans.get(model) if whole else None
+        plan = self.cpu_plans.get(model)
         return model(input_ids, positions, meta, plan.decoder(meta) if plan is not None else None)
 
     def _rope_positions(self, model, items: list[BatchItem], batch) -> np.ndarray:

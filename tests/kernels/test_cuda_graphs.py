@@ -68,3 +68,40 @@ def test_graph_replay_matches_eager_steps(tiny_llama_dir, monkeypatch):
     assert got == expected
     assert {5, 3, 1} <= set(replayed)  # padded to 6 and to 4, and an exact size
     assert_idle(llm)
+
+
+def test_graph_replay_with_lora_adapters_matches_peft(tiny_llama_dir, tmp_path):
+    """The graphs capture LoRA's launches over a static row -> slot buffer: decode steps that mix two adapters
+    and the base model replay, and their tokens are peft's."""
+    from helpers.lora import ADAPTERS, make_adapters, peft_greedy
+    from paged_runtime import LoRARequest
+    specs = {name: ADAPTERS[name] for name in ("sql", "chat")}
+    adapters = make_adapters(tiny_llama_dir, tmp_path, specs)
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", max_model_len=256, max_num_seqs=6,
+                   kv_cache_memory=2**20, enable_lora=True, max_loras=2)
+    runner = llm.engine.core.runner
+    if runner.graphs is None:
+        runner.graphs = DecodeGraphs(runner.model, runner.block_size, 6, 256, runner.device, capture=eager_capture,
+                                     lora_step=runner.lora.step)
+        runner.graphs.capture_all()
+    assert runner.lora.step.row_slots is None, "capture leaves the step's map as it found it"
+    replayed, run = [], runner.graphs.run
+
+    def counting_run(input_ids, *args):
+        hidden = run(input_ids, *args)
+        if hidden is not None:
+            replayed.append(sorted(set(runner.graphs.row_slots[:input_ids.shape[0]].tolist())))
+        return hidden
+    runner.graphs.run = counting_run
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 12, 8)]
+    names = ["sql", "chat", None]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0),
+                        use_tqdm=False,
+                        lora_request=[LoRARequest(n, i + 1, str(adapters[n])) if n else None
+                                      for i, n in enumerate(names)])
+    assert [-1, 0, 1] in replayed, "a replayed step mixed both adapters and the base model"
+    for prompt, name, out in zip(prompts, names, outs):
+        assert out.outputs[0].token_ids == peft_greedy(tiny_llama_dir, adapters[name] if name else None,
+                                                       [prompt], 6)[0]
+    assert_idle(llm)

@@ -24,11 +24,12 @@ TESTS = Path(__file__).resolve().parents[1]
 SENSITIVE = {
     "avx2": ["unit/test_cpu_kernels.py", "unit/test_kv_quant.py", "unit/test_gguf_kernels.py",
              "unit/test_gguf_blocks_served.py", "unit/test_rotary.py", "unit/test_moe_layer.py",
-             "e2e/test_cpu_kernels_identity.py", "e2e/test_kv_cache_dtype.py", "e2e/test_quantization.py"],
+             "e2e/test_cpu_kernels_identity.py", "e2e/test_kv_cache_dtype.py", "e2e/test_quantization.py",
+             "kernels/test_lora_kernels.py"],
     # The plain loops: what a CPU without AVX2 would run (the kernels must be forced on there: they lose to
     # PyTorch, so "auto" leaves them off).
     "scalar": ["unit/test_cpu_kernels.py", "unit/test_kv_quant.py", "unit/test_gguf_kernels.py",
-               "e2e/test_cpu_kernels_identity.py"],
+               "e2e/test_cpu_kernels_identity.py", "kernels/test_lora_kernels.py"],
 }
 
 
