@@ -44,14 +44,18 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied head counted once
 
 
-def decode_ms(llm, batch: int, context: int, steps: int, seed: int, max_token_id: int = 49000) -> float:
-    """Milliseconds per decode step with ``batch`` requests at ``context`` random tokens (ids < max_token_id)."""
+def decode_ms(llm, batch: int, context: int, steps: int, seed: int, max_token_id: int = 49000,
+              adapters: list | None = None) -> float:
+    """Milliseconds per decode step with ``batch`` requests at ``context`` random tokens (ids < max_token_id);
+    ``adapters``: request i runs ``adapters[i % len(adapters)]`` (a LoRARequest, or None: the base model)."""
     from paged_runtime import SamplingParams
     engine, rng = llm.engine, random.Random(seed)
     params = SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True)
     ids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
-    for request_id in ids:
-        engine.add_request(request_id, [rng.randrange(3, max_token_id) for _ in range(context)], params)
+    adapters = adapters or [None]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [rng.randrange(3, max_token_id) for _ in range(context)], params,
+                           lora_request=adapters[i % len(adapters)])
     while any(r.num_computed_tokens < context for r in engine.core.scheduler.requests.values()):
         engine.step()
     for _ in range(2):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 
 if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
 from benchmarks.common import machine_info, others_busy_cores, result_path, write_results  # noqa: E402
+from benchmarks.cpu_decode import decode_ms  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COUNTS = (0, 1, 4, 16)
@@ -55,27 +55,6 @@ def make_adapters(base: Path, root: Path, count: int, rank: int) -> list[Path]:
         folders.append(root / f"adapter-{i}")
         peft_model.save_pretrained(folders[-1])
     return folders
-
-
-def step_ms(llm, requests, context: int, steps: int, seed: int) -> float:
-    """Ms per decode step of ``BATCH`` requests, request i with ``requests[i % len(requests)]`` (None: base)."""
-    from paged_runtime import SamplingParams
-    engine, rng = llm.engine, random.Random(seed)
-    params = SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True)
-    ids = [f"k{len(requests)}-{seed}-{i}" for i in range(BATCH)]
-    for i, request_id in enumerate(ids):
-        engine.add_request(request_id, [rng.randrange(3, 49000) for _ in range(context)], params,
-                           lora_request=requests[i % len(requests)])
-    while any(r.num_computed_tokens < context for r in engine.core.scheduler.requests.values()):
-        engine.step()
-    for _ in range(2):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - start
-    engine.abort_request(ids)
-    return elapsed / steps * 1000
 
 
 # The peer's step times, run by vLLM's python: argv = model, context, steps, rounds, adapter folders...
@@ -157,7 +136,7 @@ def main() -> int:
     for r in range(args.rounds):
         for k in COUNTS:
             key = "base model" if k == 0 else f"{k} adapter{'s' if k > 1 else ''}"
-            ms = step_ms(llm, adapters[:k] or [None], args.context, args.steps, r)
+            ms = decode_ms(llm, BATCH, args.context, args.steps, r, adapters=adapters[:k])
             best[key] = min(best.get(key, float("inf")), ms)
         busy.append(others_busy_cores())
     base = best["base model"]

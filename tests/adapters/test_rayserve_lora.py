@@ -8,21 +8,18 @@ on the replica that loaded it (its ``record_routing_stats`` report it; the other
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
 
 import httpx
 import pytest
 
 from helpers.lora import ADAPTERS, make_adapters, peft_greedy
+from helpers.ray_serve import serve_on_loopback
 
 pytestmark = [pytest.mark.ray]
 
 pytest.importorskip("ray.serve")
 pytest.importorskip("peft")
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 NAME = "tiny"
 APP = "lora"
 PROMPT_IDS = [1, 504, 3012, 7891, 42, 17, 9000, 4518]
@@ -47,24 +44,12 @@ def oracle(tiny_llama_dir, adapter_dir):
     return texts
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(tiny_llama_dir, adapter_dir):
-    saved = {key: os.environ.get(key) for key in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    import ray
     from ray import serve
 
     from rayserve_adapter import app
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with serve_on_loopback() as port:
         serve.run(app({"model": str(tiny_llama_dir), "served_model_name": NAME, "dtype": "float32",
                        "max_model_len": 256, "kv_cache_memory": 8 * 2**20, "max_num_seqs": 2, "num_cpus": 0,
                        "num_replicas": 2, "routing_stats_period_s": 0.5, "debug_checks": True,
@@ -72,15 +57,6 @@ def url(tiny_llama_dir, adapter_dir):
                        "dynamic_lora_loading_path": str(adapter_dir)}),
                   name=APP, route_prefix=f"/{APP}")  # returns once the replicas are up
         yield f"http://127.0.0.1:{port}/{APP}"
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def complete(url: str, model: str, prompt: list[int] | str = PROMPT_IDS) -> httpx.Response:

@@ -15,20 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import socket
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from helpers.ray_serve import serve_on_loopback
+
 pytestmark = [pytest.mark.ray]
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 NAME = "tiny"
 MAX_NUM_SEQS = 2
 RETRY_AFTER_S = 3
@@ -92,24 +91,12 @@ class Cluster:
         return self.wait_for(mode, lambda s: s.kv_cache_usage == 0 and s.num_running == 0, "idle")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, two_models_dir):
-    saved = {key: os.environ.get(key) for key in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    import ray
     from ray import serve
 
     from rayserve_adapter import app
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with serve_on_loopback() as port:
         common = {"model": str(tiny_llama_dir), "served_model_name": NAME, "dtype": "float32", "max_model_len": 1024,
                   "kv_cache_memory": 16 * 2**20, "max_num_seqs": MAX_NUM_SEQS, "num_cpus": 0,
                   "max_queued_requests": 1, "retry_after_s": RETRY_AFTER_S, "routing_stats_period_s": 0.5,
@@ -120,15 +107,6 @@ def cluster(tiny_llama_dir, two_models_dir):
         two = {k: v for k, v in common.items() if k not in ("model", "served_model_name")}
         serve.run(app({**two, "models": models, "api_key": API_KEY}), name="two", route_prefix="/two")
         yield Cluster(f"http://127.0.0.1:{port}")
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

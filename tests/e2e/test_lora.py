@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import assert_idle, copy_tokenizer, make_llm
 from helpers.lora import ADAPTERS, make_adapter, make_adapters, peft_greedy
+from helpers.ngram import oracle_ngram
 from paged_runtime import LoRARequest, SamplingParams
 from paged_runtime.lora import slots as lora_slots
 from paged_runtime.lora.request import LoRAError
@@ -233,27 +234,16 @@ def test_tensor_parallel_shards_adapters_like_their_layers(tiny_llama_dir, adapt
 
 
 def test_ngram_speculation_and_structured_outputs_run_with_adapters(tiny_llama_dir, adapters, monkeypatch):
-    """Drafts are verified with the request's adapter: the proposer is handed peft's own continuations with every
-    third proposal's second draft spoiled (the random model never repeats itself, so real n-gram drafts would all
-    be rejected), and the tokens stay peft's with drafts both accepted and rejected. A constrained request keeps
-    its constraint under an adapter."""
+    """Drafts are verified with the request's adapter: the proposer is handed peft's own continuations, some
+    spoiled (``helpers.ngram``), and the tokens stay peft's with drafts both accepted and rejected. A constrained
+    request keeps its constraint under an adapter."""
     from paged_runtime import StructuredOutputsParams
     from paged_runtime.spec_decode.ngram import NgramProposer
     lora = requests_of(adapters)
     names = ["chat", "sql", None]
     prompts = random_prompts([20, 15, 9], seed=12)
     expected = oracle(tiny_llama_dir, adapters, prompts, names, 16)
-    sequences = [p + e for p, e in zip(prompts, expected)]
-
-    def propose(self, token_ids, limit):
-        for sequence in sequences:
-            if sequence[:len(token_ids)] == token_ids:
-                drafts = sequence[len(token_ids):len(token_ids) + limit]
-                if len(token_ids) % 3 == 0 and len(drafts) > 1:
-                    drafts[1] = (drafts[1] + 1) % 49152
-                return drafts
-        return []
-    monkeypatch.setattr(NgramProposer, "propose", propose)
+    monkeypatch.setattr(NgramProposer, "propose", oracle_ngram([p + e for p, e in zip(prompts, expected)]))
     llm = make_llm(tiny_llama_dir, enable_lora=True, max_loras=2, max_model_len=256,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0),

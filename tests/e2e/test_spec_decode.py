@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_idle, make_llm
+from helpers.ngram import oracle_ngram
 from paged_runtime import SamplingParams
 from paged_runtime.spec_decode.truncated_draft import write_truncated_draft
 
@@ -41,21 +42,6 @@ def run(llm, prompts, params):
 def reference(tiny_llama_dir):
     prompts, params = workload(0)
     return run(make_llm(tiny_llama_dir, max_model_len=512, kv_cache_memory=8 * 2**20), prompts, params)
-
-
-def oracle_ngram(reference_sequences: list[list[int]]):
-    """An n-gram proposer stand-in that knows the reference continuations and spoils every
-    third proposal's second draft: acceptance and rejection at known places. (The random tiny
-    model never repeats itself, so real n-gram drafts would all be rejected.)"""
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        for sequence in reference_sequences:
-            if sequence[:len(token_ids)] == token_ids:
-                drafts = sequence[len(token_ids):len(token_ids) + limit]
-                if len(token_ids) % 3 == 0 and len(drafts) > 1:
-                    drafts[1] = (drafts[1] + 1) % 49152
-                return drafts
-        return []
-    return propose
 
 
 @pytest.mark.parametrize("spec, blocks_per_target_block", [
