@@ -77,6 +77,7 @@ def test_mixed_batch_matches_peft_with_every_engine_feature(tiny_llama_dir, adap
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=[lora[n] if n else None for n in names])
     core = llm.engine.core
+    assert max(map(len, prompts)) > 64, "a prompt longer than the step budget is computed in chunks"
     assert core.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert outs[0].num_cached_tokens == 32, "the same adapter's cached prefix (two full blocks) is reused"
     assert outs[1].num_cached_tokens == 0, "another adapter's cached blocks are never reused"
