@@ -18,7 +18,6 @@ from helpers.ray_serve import serve_on_loopback
 pytestmark = [pytest.mark.ray]
 
 pytest.importorskip("ray.serve")
-pytest.importorskip("peft")
 
 NAME = "tiny"
 APP = "lora"

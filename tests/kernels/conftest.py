@@ -28,6 +28,13 @@ def _define_kernels_interpreted() -> None:
     if defined:
         raise RuntimeError(f"{defined} were imported before the kernel tests could set TRITON_INTERPRET=1; "
                            "without a GPU they cannot run compiled")
+    # Triton's own library (tl.sum, tl.max, ...) is defined when triton.language is first imported: a module that
+    # imports it earlier in the session without the variable (peft does) leaves every kernel failing with
+    # "Cannot call @triton.jit'd outside of the scope of a kernel".
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton.language was imported before the kernel tests could set TRITON_INTERPRET=1 (by a "
+                           "test module's import at collection, e.g. peft's): import such packages inside tests")
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
