@@ -51,9 +51,6 @@ class LoRASlots:
         self.host.pop(lora_id, None)
         self.slot_of.pop(lora_id, None)
 
-    def list(self) -> set[int]:
-        return set(self.requests)
-
     def _cache(self, adapter: LoRAAdapter) -> None:
         self.host[adapter.request.lora_int_id] = adapter
         self.host.move_to_end(adapter.request.lora_int_id)

@@ -18,7 +18,8 @@ import torch
 
 from paged_runtime.kernels import triton_available
 
-KERNEL_MODULES = ("paged_runtime.kernels.store_kv", "paged_runtime.kernels.attention", "paged_runtime.kernels.fused")
+KERNEL_MODULES = ("paged_runtime.kernels.store_kv", "paged_runtime.kernels.attention", "paged_runtime.kernels.fused",
+                  "paged_runtime.kernels.lora")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = DEVICE.type == "cpu"
 

@@ -4,46 +4,19 @@ below R zero-padded. fp32 agrees to the order of fp32 sums; fp16 to a unit or tw
 u and the delta where torch does). Without a GPU the kernels run in Triton's interpreter (see conftest)."""
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
 from paged_runtime.layers.ops import TorchOps, TritonOps
 
-from .conftest import DEVICE, INTERPRETED
+from .conftest import DEVICE
 
 pytestmark = [pytest.mark.kernels]
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 IN, RANK, SLOTS = 64, 8, 4
 SLICES = {1: (160,), 2: (96, 64), 3: (96, 32, 32)}
-
-
-def _define_kernel_interpreted() -> None:
-    """As conftest does for its kernel modules (this one is not on its list): define the kernels at collection,
-    with TRITON_INTERPRET=1, before any test can import them compiled."""
-    name = "paged_runtime.kernels.lora"
-    if name in sys.modules:  # fine if defined interpreted (conftest's list may name it one day)
-        if type(sys.modules[name]._shrink_kernel).__name__ != "InterpretedFunction":
-            raise RuntimeError(f"{name} was imported before the kernel tests could set TRITON_INTERPRET=1; "
-                               "without a GPU it cannot run compiled")
-        return
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.import_module(name)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-if INTERPRETED:
-    _define_kernel_interpreted()
 
 
 def randn(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.) -> torch.Tensor:

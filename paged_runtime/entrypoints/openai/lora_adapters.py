@@ -82,9 +82,6 @@ class LoRAAdapters:
         adapter = self._by_name.get(name) if name is not None else None
         return adapter.request if adapter is not None else None
 
-    def names_for(self, base: str) -> set[str]:
-        return {name for name, a in self._by_name.items() if a.base == base}
-
     async def ensure(self, engine, base: str, name: str) -> LoRARequest:
         """The adapter ``name`` over ``base``, loading it from the dynamic folder on first use; 404 for a name
         that is neither registered nor a folder there, 400 with the reason for one that cannot run."""
