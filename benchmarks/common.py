@@ -84,7 +84,9 @@ def round_workload(args, vocab_size: int) -> tuple[list[Request], list[int]]:
 
 # ---- the machine --------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    """Where a figure was measured: CPU model and ISA flags, cores, versions, the GPU if any, the commit."""
+    """Where a figure was measured: CPU model and ISA flags, cores, versions, the GPU if any, the commit, and the
+    compiled CPU kernels this process loaded (``kernels/cpu.info()``: their ISA and each family's path; None
+    where none are loaded)."""
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "git": git_revision(),
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
@@ -97,9 +99,10 @@ def machine_info() -> dict:
         transformers_version = transformers.__version__
     except ImportError:
         transformers_version = None
+    kernels = sys.modules.get("paged_runtime.kernels.cpu")  # never imported: never loaded
     return info | {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                    "transformers": transformers_version, "device": "cuda" if torch.cuda.is_available() else "cpu",
-                   "gpu": gpu_name()}
+                   "gpu": gpu_name(), "cpu_kernels": kernels.info() if kernels else None}
 
 
 def cpu_model() -> str | None:

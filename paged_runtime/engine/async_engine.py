@@ -296,6 +296,7 @@ class AsyncEngine:
                                     grammars=engine.grammars)  # thread-safe: compiles are cached for the runner
         self.default_sampling = dict(engine.default_sampling)
         self.kv_events_endpoint = engine.kv_events_endpoint
+        self.cpu_kernels = engine.cpu_kernels
         self._totals = engine.stats()  # counters as of the last pass; each pass reports the difference
         for stat_logger in self.stat_loggers:
             stat_logger.record_cache_config(engine.cache_config_info())

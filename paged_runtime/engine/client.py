@@ -164,6 +164,13 @@ class EngineClient(Protocol):
         subscribers to connect to; None when events are off or the socket connects out instead."""
         ...
 
+    @property
+    def cpu_kernels(self) -> dict | None:
+        """The compiled CPU kernels the engine's (driver) worker runs, as /version shows them: ``{"isa": the
+        cpu_isa built for, "variants": {kernel family: path}}`` (``kernels/cpu.info()``); None where it runs
+        none."""
+        ...
+
     def check_health(self) -> None:
         """Raises ``EngineDeadError`` unless the engine serves."""
         ...

@@ -147,6 +147,7 @@ class EngineCore:
                                                  self.precision.kv_cache_dtype))
         info = self.executor.info
         self.num_blocks, self.attention_backend = info.num_blocks, info.attention_backend
+        self.cpu_kernels = info.cpu_kernels  # the driver rank's (kernels/cpu.info()), or None
         events = config.kv_events_config
         self.kv_events = KVEventRecorder(config.block_size) if events is not None and events.active else None
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching and not encoder,

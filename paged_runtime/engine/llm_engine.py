@@ -208,6 +208,11 @@ class LLMEngine:
         """See ``EngineClient.kv_events_endpoint``."""
         return self.core.kv_event_publisher.bound_endpoint
 
+    @property
+    def cpu_kernels(self) -> dict | None:
+        """See ``EngineClient.cpu_kernels``."""
+        return self.core.cpu_kernels
+
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache as vLLM's ``cache_config_info`` metric labels it (``metrics.CACHE_CONFIG_LABELS``)."""
         config = self.config

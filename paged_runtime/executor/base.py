@@ -11,6 +11,7 @@ raised it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from paged_runtime.worker.worker import Placement, Worker, WorkerInfo, WorkerSpec, driver_rank
@@ -37,8 +38,7 @@ class Executor:
         infos = self.call("load")
         num_blocks = min(info.num_blocks for info in infos)
         self.call("init_cache", num_blocks)
-        info = infos[self.driver]
-        self.info = WorkerInfo(num_blocks, info.rope_switch, info.ops_name, info.attention_backend)
+        self.info = dataclasses.replace(infos[self.driver], num_blocks=num_blocks)
         return self.info
 
     def call(self, method: str, *args, driver_only: bool = False) -> list:

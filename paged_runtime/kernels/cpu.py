@@ -3,12 +3,14 @@
 The library is built with the system C compiler (``-O3 -march=native -fopenmp``,
 about a second) into ``<cache_dir>/kernels/``, named by a hash of the source,
 the compiler, its flags and the CPU's feature flags, so a later start loads it at once and a
-changed source or machine rebuilds it. ``$PAGED_RUNTIME_CPU_ISA`` builds it for less than this
-CPU has (``ISAS``: ``avx2`` on an AVX-512 CPU runs the AVX2 paths, as on a CPU without AVX-512;
-``scalar`` the plain loops), process-wide like PyTorch's ``ATEN_CPU_CAPABILITY``: tests run every
-variant the CPU can, and a user can rule out a path. ``load(cache_dir)`` returns False, with one
-warning, where anything fails (no compiler, a failed build, a library without the
-expected symbols or with other struct sizes, an OSError): the PyTorch path runs.
+changed source or machine rebuilds it. ``EngineConfig.cpu_isa`` (``--cpu-isa``,
+``$PAGED_RUNTIME_CPU_ISA``) builds it for less than this CPU has (``ISAS``: ``avx2`` on an AVX-512 CPU
+runs the AVX2 paths, as on a CPU without AVX-512; ``scalar`` the plain loops), like PyTorch's
+``ATEN_CPU_CAPABILITY``: tests run every variant the CPU can, and a user can rule out a path. The library
+is process-wide: one ISA per process, and a load asking for another raises. ``kernel_variants()`` says
+which path each kernel family was compiled to (the C file's ``pr_kernel_variants``).
+``load(cache_dir, isa_name)`` returns False, with one warning, where anything fails (no compiler, a failed
+build, a library without the expected symbols or with other struct sizes, an OSError): the PyTorch path runs.
 
 A shared library runs as this process, so the cache is trusted only as far as no
 one else could have written it. The folder is created 0700; a build goes to a
@@ -49,6 +51,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -64,17 +67,29 @@ KV_DTYPES = {torch.float8_e4m3fn: 1, torch.int8: 2, torch.bfloat16: 3}
 SCALED_KV = (torch.float8_e4m3fn, torch.int8)  # the caches read with their kv_scale
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "PAGED_RUNTIME_CPU_ISA"
-# The instruction sets the library can be built for: -march, and the /proc/cpuinfo flags the build needs.
+
+
+class Isa(NamedTuple):
+    flags: list[str]  # the compiler's
+    needs: tuple[str, ...]  # the /proc/cpuinfo flags a CPU must have to run the build
+
+
+_V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+_V3 = ("avx2", "fma", "f16c")
+# The instruction sets the library can be built for, best first (config.CPU_ISAS names them, in this order).
 # "auto" is whatever this CPU has; the x86-64 levels are the psABI's (v4: AVX-512 F/BW/CD/DQ/VL; v3: AVX2,
-# FMA, F16C).
-ISAS = {"auto": ("native", ()),
-        "avx512": ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
-        "avx2": ("x86-64-v3", ("avx2", "fma", "f16c")),
-        "scalar": ("x86-64", ())}
+# FMA, F16C); the VNNI ones add vpdpbusd, the int8 dot product of the GGUF x8 kernel.
+ISAS = {"auto": Isa(["-march=native"], ()),
+        "avx512_vnni": Isa(["-march=x86-64-v4", "-mavx512vnni"], (*_V4, "avx512_vnni")),
+        "avx512": Isa(["-march=x86-64-v4"], _V4),
+        "avx_vnni": Isa(["-march=x86-64-v3", "-mavxvnni"], (*_V3, "avx_vnni")),
+        "avx2": Isa(["-march=x86-64-v3"], _V3),
+        "scalar": Isa(["-march=x86-64"], ())}
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pr_abi": ([_int], _i64),
+    "pr_kernel_variants": ([], ctypes.c_char_p),
     "pr_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], _int),
     "pr_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int], None),
     "pr_rope": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int], None),
@@ -143,6 +158,7 @@ _ABI_SIZES = {1: _LayerWeights, 2: _DecodeStep, 3: _Paged, 4: _StackLayer, 7: _L
 class _Loaded:
     """The one library this process loaded (a shared library is process-wide by nature)."""
     lib: ctypes.CDLL | None = None
+    isa: str | None = None  # the ISAS name lib was built for (set with lib)
     max_rows: int = 0
     gguf_x8: int = 0
     kinds: dict[str, int] = {}
@@ -156,27 +172,28 @@ def _cpu_flags() -> str:
         return ""
 
 
-def has_vector_paths() -> bool:
-    """Whether this CPU runs the kernels' vector code: AVX-512F, or AVX2 with FMA and F16C (half the width, the same
-    loops). Elsewhere they fall back to scalar loops, which measured 2.1x slower than the PyTorch path at
-    batch 1 in bfloat16 (80 vs 38 ms a step, SmolLM2 on a 2-core AMD EPYC, ``benchmarks/cpu_decode.py``)."""
+def has_vector_paths(isa_name: str | None = None) -> bool:
+    """Whether the kernels built for ``isa_name`` (``isa``'s choice) run vector code on this CPU: AVX-512F, or
+    AVX2 with FMA and F16C (half the width, the same loops). Elsewhere they fall back to scalar loops, which
+    measured 2.1x slower than the PyTorch path at batch 1 in bfloat16 (80 vs 38 ms a step, SmolLM2 on a 2-core
+    AMD EPYC, ``benchmarks/cpu_decode.py``)."""
     flags = set(_cpu_flags().split())
-    return isa() != "scalar" and ("avx512f" in flags or {"avx2", "fma", "f16c"} <= flags)
+    return isa(isa_name) != "scalar" and ("avx512f" in flags or set(_V3) <= flags)
 
 
-def isa() -> str:
-    """The instruction set the kernels are built for: ``$PAGED_RUNTIME_CPU_ISA`` or "auto"; ValueError for a
-    name not in ``ISAS`` or one this CPU lacks."""
-    name = os.environ.get(ISA_ENV) or "auto"
+def isa(name: str | None = None) -> str:
+    """The instruction set to build the kernels for: ``name`` (``EngineConfig.cpu_isa``), else
+    ``$PAGED_RUNTIME_CPU_ISA``, else "auto"; ValueError for a name not in ``ISAS`` or one this CPU lacks."""
+    name = name or os.environ.get(ISA_ENV) or "auto"
     if name not in ISAS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}; got {name!r}")
+        raise ValueError(f"cpu_isa (${ISA_ENV}) must be one of {', '.join(ISAS)}; got {name!r}")
     if not cpu_has(name):
-        raise ValueError(f"{ISA_ENV}={name}: this CPU lacks {', '.join(_lacking(name))}")
+        raise ValueError(f"cpu_isa {name}: this CPU lacks {', '.join(_lacking(name))}")
     return name
 
 
 def _lacking(name: str) -> list[str]:
-    return sorted(set(ISAS[name][1]) - set(_cpu_flags().split()))
+    return sorted(set(ISAS[name].needs) - set(_cpu_flags().split()))
 
 
 def cpu_has(name: str) -> bool:
@@ -184,8 +201,8 @@ def cpu_has(name: str) -> bool:
     return not _lacking(name)
 
 
-def _build_flags() -> list[str]:
-    return [f"-march={ISAS[isa()][0]}", *_FLAGS]
+def _build_flags(isa_name: str) -> list[str]:
+    return [*ISAS[isa_name].flags, *_FLAGS]
 
 
 def _compiler() -> str | None:
@@ -200,10 +217,10 @@ class _Untrusted(Exception):
     folder, it cannot be made)."""
 
 
-def library_path(cache_dir: str | Path, compiler: str | None = None) -> Path:
-    """Where ``load(cache_dir)`` keeps the library for this source, compiler and CPU."""
+def library_path(cache_dir: str | Path, compiler: str | None = None, isa_name: str | None = None) -> Path:
+    """Where ``load(cache_dir, isa_name)`` keeps the library for this source, compiler, build flags and CPU."""
     compiler = compiler or _compiler() or ""
-    text = "\0".join([SOURCE.read_text(), compiler, *_build_flags(), _cpu_flags()])
+    text = "\0".join([SOURCE.read_text(), compiler, *_build_flags(isa(isa_name)), _cpu_flags()])
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return Path(cache_dir) / KERNELS_FOLDER / f"cpu_ops-{key}.so"
 
@@ -261,12 +278,13 @@ def _open_private_file(dir_fd: int, name: str) -> int | None:
     return fd
 
 
-def _build(compiler: str, dir_fd: int, folder: Path, name: str) -> None:
+def _build(compiler: str, dir_fd: int, folder: Path, name: str, isa_name: str) -> None:
     """Compile into a temporary file in the folder, make it 0700 and rename it into place: a concurrent start
     never sees a half-written library, and the linker's umask-given mode never lasts."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        subprocess.run([compiler, *_build_flags(), str(SOURCE), "-o", f"{_fd_path(dir_fd, folder)}/{tmp}", "-lm"],
+        out = f"{_fd_path(dir_fd, folder)}/{tmp}"
+        subprocess.run([compiler, *_build_flags(isa_name), str(SOURCE), "-o", out, "-lm"],
                        check=True, capture_output=True, text=True, timeout=120, pass_fds=(dir_fd,))
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
@@ -279,15 +297,15 @@ def _build(compiler: str, dir_fd: int, folder: Path, name: str) -> None:
             os.unlink(tmp, dir_fd=dir_fd)
 
 
-def _open_library(compiler: str, folder: Path) -> ctypes.CDLL:
-    """The library from the private ``folder``, built there first if absent; raises _Untrusted where the
-    folder or the file there could have been written by someone else."""
-    name = library_path("", compiler).name
+def _open_library(compiler: str, folder: Path, isa_name: str) -> ctypes.CDLL:
+    """The library for ``isa_name`` from the private ``folder``, built there first if absent; raises _Untrusted
+    where the folder or the file there could have been written by someone else."""
+    name = library_path("", compiler, isa_name).name
     dir_fd = _open_private_folder(folder)
     try:
         fd = _open_private_file(dir_fd, name)
         if fd is None:
-            _build(compiler, dir_fd, folder, name)
+            _build(compiler, dir_fd, folder, name, isa_name)
             fd = _open_private_file(dir_fd, name)
         # On success fd stays open for the life of the process: the dynamic loader knows the library by its
         # /proc/self/fd name, and a later dlopen of that name must never find a different file under it.
@@ -300,15 +318,15 @@ def _open_library(compiler: str, folder: Path) -> ctypes.CDLL:
         os.close(dir_fd)
 
 
-def _open_cached_library(compiler: str, cache_dir: Path) -> ctypes.CDLL:
-    """The library from the cache; where the cache cannot be trusted, one built into a private temporary
-    folder instead (a compile at every start, but the same kernels, and the cache is never written)."""
+def _open_cached_library(compiler: str, cache_dir: Path, isa_name: str) -> ctypes.CDLL:
+    """The library for ``isa_name`` from the cache; where the cache cannot be trusted, one built into a private
+    temporary folder instead (a compile at every start, but the same kernels, and the cache is never written)."""
     try:
-        return _open_library(compiler, cache_dir / KERNELS_FOLDER)
+        return _open_library(compiler, cache_dir / KERNELS_FOLDER, isa_name)
     except _Untrusted as e:
         logger.warning("%s: building the CPU decode kernels into a private temporary folder instead", e)
     with tempfile.TemporaryDirectory(prefix="paged_runtime-kernels-") as private:
-        return _open_library(compiler, Path(private))
+        return _open_library(compiler, Path(private), isa_name)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -322,31 +340,53 @@ def _bind(lib: ctypes.CDLL) -> None:
         raise ImportError(f"the library's structs differ from cpu.py's ({', '.join(mismatched)})")
 
 
+def load(cache_dir: str | Path, isa_name: str | None = None) -> bool:
+    """Build (if needed) and load the kernels for ``isa_name`` (``isa``'s choice: None reads
+    ``$PAGED_RUNTIME_CPU_ISA``, else "auto") from ``cache_dir``; False, with one warning, where that fails for
+    any reason (no compiler, a failed build, a library that does not load or bind): the PyTorch path runs then.
+    A user's mistake is said, never a silent fallback: ValueError for an ISA this CPU lacks, and for one other
+    than the ISA this process already loaded (the library is process-wide)."""
+    name = isa(isa_name)
+    if _Loaded.lib is not None and _Loaded.isa != name:
+        raise ValueError(f"the CPU kernels are loaded for cpu_isa {_Loaded.isa} in this process, which cannot "
+                         f"load them for {name} as well (one library per process)")
+    return _load(str(cache_dir), name)
+
+
 @functools.cache
-def load(cache_dir: str | Path) -> bool:
-    """Build (if needed) and load the kernels from ``cache_dir``; False, with one warning, where that fails
-    for any reason (no compiler, a failed build, a library that does not load or bind): the PyTorch path
-    runs then, start-up never fails here."""
-    name = isa()  # a wrong $PAGED_RUNTIME_CPU_ISA is the user's mistake: said, never a silent fallback
+def _load(cache_dir: str, isa_name: str) -> bool:
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: the CPU decode kernels are off (PyTorch path)")
         return False
     try:
-        lib = _open_cached_library(compiler, Path(cache_dir))
+        lib = _open_cached_library(compiler, Path(cache_dir), isa_name)
         _bind(lib)
     except Exception as e:  # noqa: BLE001 - the kernels are optional: whatever failed, PyTorch runs
         detail = getattr(e, "stderr", "") or e
         logger.warning("the CPU decode kernels did not load, using the PyTorch path: %s", detail)
         return False
-    _Loaded.lib, _Loaded.max_rows = lib, lib.pr_abi(0)
-    logger.info("CPU kernels loaded, built for %s (-march=%s)", name, ISAS[name][0])
+    _Loaded.lib, _Loaded.isa, _Loaded.max_rows = lib, isa_name, lib.pr_abi(0)
+    logger.info("CPU kernels loaded, built for %s (%s): %s", isa_name, " ".join(ISAS[isa_name].flags),
+                " ".join(f"{family}={variant}" for family, variant in kernel_variants().items()))
     return True
 
 
 def loaded() -> bool:
     """Whether ``load`` succeeded in this process."""
     return _Loaded.lib is not None
+
+
+def kernel_variants() -> dict[str, str]:
+    """Each kernel family of the loaded library and the path it was compiled to (``{"gguf_x8": "avx512_vnni",
+    ...}``: the C file's ``pr_kernel_variants``, which the build flags decide)."""
+    return dict(pair.split("=", 1) for pair in _lib().pr_kernel_variants().decode().split())
+
+
+def info() -> dict | None:
+    """The loaded kernels as /version and the benchmarks report them: ``{"isa": ISAS name, "variants":
+    kernel_variants()}``; None where none are loaded in this process."""
+    return None if _Loaded.lib is None else {"isa": _Loaded.isa, "variants": kernel_variants()}
 
 
 def max_rows() -> int:

@@ -1742,6 +1742,25 @@ static void x8_dot_scalar(const uint8_t *grp, int64_t K, int base, GgufActs a, i
 /* Keeps v in a register here: unpinned, GCC computes a run's products first and spills them to sum them
  * after (integer adds reassociate): 1.3x slower, measured. */
 #define X8_PIN(v) __asm__("" : "+x"(v))
+/* x rows per pass over a weight record: each pass keeps 2 accumulators per row in registers, so 8 where
+ * AVX-512 gives 32 vector registers (a record's nibbles then unpacked once per 8 rows, not 4), else 4 */
+#ifdef __AVX512F__
+#define X8_ROWS 8
+#else
+#define X8_ROWS 4
+#endif
+
+/* acc + the sums of 4 adjacent u8 x s8 products, per int32 lane, in one instruction where the CPU has VNNI
+ * (AVX512-VNNI with VL, or AVX-VNNI): what maddubs + madd + add compute in three, and exactly the same
+ * integers (the products of nibbles or |int8| <= 127 with int8 never reach maddubs' int16 saturation), so
+ * every variant gives the same bits. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define X8_VNNI "avx512_vnni"
+static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define X8_VNNI "avx_vnni"
+static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
 
 /* Run r's exact integer dots of the group's 8 rows (lanes) with x rows g0 .. g0 + G - 1 into t. */
 static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs, const int8_t *xq, int64_t K,
@@ -1754,13 +1773,32 @@ static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs
             for (int g = 0; g < G; g++) {
                 int32_t x4;
                 memcpy(&x4, xq + g * K + 4 * c, 4);
-                __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
-                t[g] = _mm256_add_epi32(t[g], _mm256_madd_epi16(p, ones));
+                __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x4), w);
+#ifdef X8_VNNI
+                t[g] = dpbusd8(t[g], aw, sx);
+#else
+                t[g] = _mm256_add_epi32(t[g], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+#endif
                 X8_PIN(t[g]);
             }
         }
         return;
     }
+#ifdef X8_VNNI
+    for (int c = 0; c < 4; c++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(b, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+        for (int g = 0; g < G; g++) {
+            int32_t xl, xh;
+            memcpy(&xl, xq + g * K + 8 * c, 4);
+            memcpy(&xh, xq + g * K + 8 * c + 4, 4);
+            t[g] = dpbusd8(dpbusd8(t[g], lo, _mm256_set1_epi32(xl)), hi, _mm256_set1_epi32(xh));
+            X8_PIN(t[g]);
+        }
+    }
+    (void)ones;
+    return;
+#endif
     /* int16 sums: 8 maddubs of nibbles (<= 15) and int8 x (|x| <= 128): at most 30720, no overflow */
     for (int c = 0; c < 4; c++) {
         __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
@@ -1782,13 +1820,13 @@ static inline __attribute__((always_inline)) void x8_dot_avx2(const uint8_t *grp
                                                               GgufActs a, int64_t g0, const int G, float (*out)[8]) {
     const int64_t runs = K / 32, rb = x8_record_bytes(base);
     const int off = x8_quant_offset(base);
-    __m256 acc[4];
+    __m256 acc[X8_ROWS];
     for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
 #pragma GCC unroll 1
     for (int64_t r = 0; r < runs; r++) {
         const uint8_t *rec = grp + r * rb;
         for (int line = 0; line < rb; line += 64) _mm_prefetch((const char *)rec + PREFETCH + line, _MM_HINT_T0);
-        __m256i t[4];
+        __m256i t[X8_ROWS];
         x8_idot_avx2(rec + off, a.q + g0 * K + r * 32, K, base, G, t);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
         for (int g = 0; g < G; g++) {
@@ -1807,11 +1845,17 @@ static inline __attribute__((always_inline)) void x8_dot_avx2(const uint8_t *grp
 static inline __attribute__((always_inline)) void x8_group_avx2(const uint8_t *grp, int64_t K, const int base,
                                                                 GgufActs a, int M, float (*out)[8]) {
     int g0 = 0;
-    for (; g0 + 4 <= M; g0 += 4) x8_dot_avx2(grp, K, base, a, g0, 4, out);
+    for (; g0 + X8_ROWS <= M; g0 += X8_ROWS) x8_dot_avx2(grp, K, base, a, g0, X8_ROWS, out);
     switch (M - g0) {
     case 1: x8_dot_avx2(grp, K, base, a, g0, 1, out); break;
     case 2: x8_dot_avx2(grp, K, base, a, g0, 2, out); break;
     case 3: x8_dot_avx2(grp, K, base, a, g0, 3, out); break;
+#if X8_ROWS == 8
+    case 4: x8_dot_avx2(grp, K, base, a, g0, 4, out); break;
+    case 5: x8_dot_avx2(grp, K, base, a, g0, 5, out); break;
+    case 6: x8_dot_avx2(grp, K, base, a, g0, 6, out); break;
+    case 7: x8_dot_avx2(grp, K, base, a, g0, 7, out); break;
+#endif
     default: break;
     }
 }
@@ -2270,6 +2314,30 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
 /* 0: MAX_ROWS; 1, 2, 3, 4: sizeof LayerWeights, DecodeStep, Paged, StackLayer (cpu.py checks its ctypes
  * structs against these and refuses a library that disagrees); 5, 6: NORM_UNIT_OFFSET, ACT_GELU_TANH; 7: sizeof
  * LoraSlots; -1 for anything else. */
+/* Which variant of each kernel family this build holds, as "family=variant" pairs separated by spaces: what
+ * the compiler was allowed (-march) decides it, at build time (the library is built for the CPU it runs on). */
+#if defined(__AVX512F__)
+#define VARIANT_VEC "avx512"
+#elif defined(VEC16)
+#define VARIANT_VEC "avx2"
+#else
+#define VARIANT_VEC "scalar"
+#endif
+#if GGUF_AVX2
+#define VARIANT_GGUF "avx2"
+#else
+#define VARIANT_GGUF "scalar"
+#endif
+#if GGUF_AVX2 && defined(X8_VNNI)
+#define VARIANT_X8 X8_VNNI
+#else
+#define VARIANT_X8 VARIANT_GGUF
+#endif
+const char *pr_kernel_variants(void) {
+    return "linear=" VARIANT_VEC " attention=" VARIANT_VEC " norms=" VARIANT_VEC " lora=" VARIANT_VEC
+           " gguf=" VARIANT_GGUF " gguf_x8=" VARIANT_X8;
+}
+
 int64_t pr_abi(int what) {
     switch (what) {
     case 0: return MAX_ROWS;

@@ -328,17 +328,18 @@ def available_memory() -> int:
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, use_kernels: bool | None, cache_dir,
-               triton: bool = False) -> TorchOps:
+               triton: bool = False, isa_name: str | None = None) -> TorchOps:
     """The one place that picks the arithmetic: the Triton kernels with ``triton`` (the engine's attention
     backend is triton, on CUDA by default, on the CPU only forced, under the interpreter, for tests; and not
     enforce_eager); the compiled CPU kernels on the CPU for
     float32/bfloat16 when ``use_kernels`` is True, or None (auto) and the CPU has their vector paths, and they
-    build; else PyTorch."""
+    build (for ``isa_name``: ``kernels/cpu.load``'s); else PyTorch."""
     if triton:
         return TritonOps()
     if use_kernels is False or device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
         return TorchOps()
-    if use_kernels is None and not cpu_kernels.has_vector_paths():
-        logger.info("this CPU lacks AVX-512 and AVX2, where the CPU kernels lose to PyTorch: using PyTorch ops")
+    if use_kernels is None and not cpu_kernels.has_vector_paths(isa_name):
+        logger.info("the CPU kernels would run scalar loops here (no AVX-512 or AVX2, or cpu_isa scalar), where "
+                    "they lose to PyTorch: using PyTorch ops")
         return TorchOps()
-    return CpuKernelOps() if cpu_kernels.load(str(cache_dir)) else TorchOps()
+    return CpuKernelOps() if cpu_kernels.load(cache_dir, isa_name) else TorchOps()

@@ -87,6 +87,7 @@ class WorkerInfo:
     rope_switch: int | None  # the model's LongRoPE switch (the scheduler's)
     ops_name: str
     attention_backend: str
+    cpu_kernels: dict | None = None  # kernels/cpu.info() where this rank runs the compiled CPU kernels, else None
 
 
 class Worker:
@@ -97,7 +98,9 @@ class Worker:
         tp, stage = init_parallel(placement, self.device)
         self.ops = select_ops(self.device, spec.dtype, False if config.enforce_eager else config.cpu_kernels,
                               config.cache_dir,
-                              triton=not config.enforce_eager and uses_triton(self.device, config.attention_backend))
+                              triton=not config.enforce_eager and uses_triton(self.device, config.attention_backend),
+                              isa_name=config.cpu_isa)
+        self.runs_cpu_kernels = isinstance(self.ops, CpuKernelOps)  # or below: GGUF blocks, an 8-bit cache
         self.model = load_model(spec.model_path, spec.max_model_len, spec.dtype, self.device, self.ops, tp, stage,
                                 config.quantization, self._gguf_kernels(spec.model_path))
         self.draft = None if spec.draft_path is None else load_model(spec.draft_path, spec.max_model_len, spec.dtype,
@@ -108,7 +111,19 @@ class Worker:
                                                 config.attention_backend,
                                                 registry.family(self.model.config.architecture).encoder_only)
         self._check_cache_dtype()
+        if spec.kv_cache_dtype != "auto" and self.device.type == "cpu" and not config.enforce_eager:
+            # The torch backend reads an 8-bit cache through the compiled one-pass gather where it builds
+            # (whatever the op set); else in PyTorch, 2-4x slower per step at long contexts (measured).
+            self._load_cpu_kernels()
         self.runner: ModelRunner | None = None
+
+    def _load_cpu_kernels(self) -> bool:
+        """Load the compiled CPU kernels for the config's ``cpu_isa`` (ValueError for one this CPU lacks or
+        another than the process loaded); whether they did (this rank then reports them in its WorkerInfo)."""
+        config = self.spec.config
+        loaded = cpu_kernels.load(config.cache_dir, config.cpu_isa)
+        self.runs_cpu_kernels |= loaded
+        return loaded
 
     def _check_cache_dtype(self) -> None:
         """ValueError at start-up for a cache the attention backend cannot read: Triton reads the model's dtype
@@ -127,7 +142,7 @@ class Worker:
         if (self.device.type != "cpu" or config.quantization == "none" or not (path / GGUF_TYPES).is_file()
                 or config.cpu_kernels is False or config.enforce_eager):
             return None
-        if cpu_kernels.load(str(config.cache_dir)):
+        if self._load_cpu_kernels():
             return cpu_kernels
         logger.warning("GGUF blocks are multiplied by dequantizing them in PyTorch (the CPU kernels did not load)")
         return None
@@ -140,16 +155,13 @@ class Worker:
         per_block = bytes_per_block(models, c.block_size, self.spec.dtype, self.spec.kv_cache_dtype)
         num_blocks = num_kv_blocks(per_block, c.block_size, budget,
                                    self.spec.max_model_len, c.max_num_seqs, self.spec.blocks_per_request)
-        return WorkerInfo(num_blocks, self.model.rope_switch, self.ops.name, self.attention_backend)
+        return WorkerInfo(num_blocks, self.model.rope_switch, self.ops.name, self.attention_backend,
+                          cpu_kernels.info() if self.runs_cpu_kernels else None)
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks and build the runner."""
         spec, c = self.spec, self.spec.config
         num_slots = num_blocks * c.block_size
-        if spec.kv_cache_dtype != "auto" and self.device.type == "cpu" and not c.enforce_eager:
-            # The torch backend reads an 8-bit cache through the compiled one-pass gather where it builds
-            # (whatever the op set); else in PyTorch, 2-4x slower per step at long contexts (measured).
-            cpu_kernels.load(c.cache_dir)
         drafter = None if self.draft is None else DraftModelProposer(
             self.draft, allocate_kv_caches(self.draft, num_slots, spec.dtype, self.device, spec.kv_cache_dtype))
         # CUDA graphs capture one device's step; a parallel step's collectives are not captured.

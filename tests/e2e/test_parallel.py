@@ -58,7 +58,7 @@ def summary(outputs) -> list:
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, **engine_kwargs(1, 1))
-    return run(llm), llm.engine.stats().num_preemptions
+    return run(llm), llm.engine.stats().num_preemptions, llm.engine.cpu_kernels
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -70,8 +70,10 @@ def parallel_llm(request, tiny_llama_dir):
 
 
 def test_parallel_outputs_equal_one_device(parallel_llm, reference):
-    want, want_preemptions = reference
+    want, want_preemptions, want_kernels = reference
     assert parallel_llm.engine.core.num_blocks == NUM_BLOCKS
+    # each rank's process loads the kernels itself; the engine shows the driver's, carried in its WorkerInfo
+    assert parallel_llm.engine.cpu_kernels == want_kernels
     got = run(parallel_llm)
     assert summary(got) == summary(want)
     assert want_preemptions > 0 and parallel_llm.engine.stats().num_preemptions == want_preemptions

@@ -2,8 +2,9 @@
 CPU can run (``$PAGED_RUNTIME_CPU_ISA``), in a fresh process each: the library is process-wide.
 
 The rest of the suite runs the build for this CPU ("auto"). Machines of one kind differ (AVX2-only Zen 3,
-AVX-512 Zen 4), so a bound tuned on one build's rounding must hold on the others: an AVX-512 CPU runs the
-AVX2 build here as well, and every x86-64 CPU the scalar one (the plain loops a CPU without AVX2 runs).
+AVX-512 Zen 4 with VNNI), so a bound tuned on one build's rounding must hold on the others: an AVX-512 CPU
+runs the AVX2 build here as well, a VNNI one the AVX-512 build without VNNI (the GGUF x8 kernel's other
+integer path), and every x86-64 CPU the scalar one (the plain loops a CPU without AVX2 runs).
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ pytestmark = [pytest.mark.kernels, pytest.mark.slow]
 TESTS = Path(__file__).resolve().parents[1]
 # Each file's arithmetic goes through the C kernels' float sums, exp or their int8 activation rounding.
 SENSITIVE = {
+    # Only the GGUF x8 kernel differs from the VNNI build (its maddubs integer path), which these check bit for
+    # bit against the scalar arithmetic and serve whole models through.
+    "avx512": ["unit/test_gguf_kernels.py", "unit/test_gguf_blocks_served.py"],
     "avx2": ["unit/test_cpu_kernels.py", "unit/test_kv_quant.py", "unit/test_gguf_kernels.py",
              "unit/test_gguf_blocks_served.py", "unit/test_rotary.py", "unit/test_moe_layer.py",
              "e2e/test_cpu_kernels_identity.py", "e2e/test_kv_cache_dtype.py", "e2e/test_quantization.py",
@@ -31,6 +35,9 @@ SENSITIVE = {
     "scalar": ["unit/test_cpu_kernels.py", "unit/test_kv_quant.py", "unit/test_gguf_kernels.py",
                "e2e/test_cpu_kernels_identity.py", "kernels/test_lora_kernels.py"],
 }
+# The ISAs whose presence makes "auto" build other kernels than the key's: without any of them, the key's
+# build is this CPU's own, which the rest of the suite runs already.
+BETTER = {"avx512": ["avx512_vnni"], "avx2": ["avx512", "avx_vnni"], "scalar": []}
 
 
 @pytest.mark.skipif(not cpu.load(default_cache_dir()), reason="no C compiler: the CPU kernels are off")
@@ -38,8 +45,9 @@ SENSITIVE = {
 def test_the_kernel_sensitive_tests_pass_with_each_isa_this_cpu_runs(isa):
     if not cpu.cpu_has(isa):
         pytest.skip(f"this CPU cannot run the {isa} build")
-    if isa == "avx2" and not cpu.cpu_has("avx512"):
-        pytest.skip("no AVX-512 here: this CPU's own build is the AVX2 one, which the rest of the suite runs")
+    if BETTER[isa] and not any(cpu.cpu_has(better) for better in BETTER[isa]):
+        pytest.skip(f"no {' or '.join(BETTER[isa])} here: this CPU's own build is the {isa} one, which the rest of "
+                    "the suite runs")
     env = os.environ | {cpu.ISA_ENV: isa, "PAGED_RUNTIME_CPU_KERNELS": "1" if isa == "scalar" else ""}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           *(str(TESTS / f) for f in SENSITIVE[isa])],

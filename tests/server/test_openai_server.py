@@ -15,8 +15,9 @@ import pytest
 
 from conftest import assert_idle
 from paged_runtime import SamplingParams
+from paged_runtime.kernels import cpu
 
-from .conftest import TINY_NAME, sse_events
+from .conftest import TINY_NAME, running_server, sse_events
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -50,7 +51,16 @@ def test_models_health_version(tiny_server, client, openai_schema):
     openai_schema("ListModelsResponse", body)
     assert body["data"][0]["max_model_len"] == 512
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
-    assert httpx.get(f"{tiny_server.url}/version").json() == {"version": "0.1.0"}
+    # the kernels the engine's worker runs (here in this process): the build for this CPU and each family's path
+    kernels = {"isa": cpu.isa(), "variants": cpu.kernel_variants()} if cpu.has_vector_paths() else None
+    assert httpx.get(f"{tiny_server.url}/version").json() == {"version": "0.1.0", "cpu_kernels": kernels}
+    assert kernels is None or list(kernels["variants"]) == ["linear", "attention", "norms", "lora", "gguf", "gguf_x8"]
+
+
+def test_version_shows_no_cpu_kernels_where_the_engine_runs_none(tiny_llama_dir):
+    with running_server(tiny_llama_dir, TINY_NAME, max_model_len=64, kv_cache_memory=2**20,
+                        cpu_kernels=False) as server:
+        assert httpx.get(f"{server.url}/version").json() == {"version": "0.1.0", "cpu_kernels": None}
 
 
 def test_tokenize_detokenize_round_trip(tiny_server, tiny_llm):

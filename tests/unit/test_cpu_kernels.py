@@ -259,7 +259,7 @@ def test_library_is_cached_by_folder_and_falls_back_without_a_compiler(tmp_path,
     built = list((tmp_path / "kernels").glob("cpu_ops-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    cpu.load.cache_clear()
+    cpu._load.cache_clear()
     assert cpu.load(tmp_path) and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert not cpu.load(tmp_path / "elsewhere")  # a failed build: the PyTorch path
@@ -281,7 +281,7 @@ def test_the_kernels_are_a_setting_read_once_from_the_environment(monkeypatch):
     assert type(select_ops(cpu_device, torch.float16, True, default_cache_dir())) is TorchOps
     auto = CpuKernelOps if cpu.has_vector_paths() else TorchOps  # None: the kernels only where they pay
     assert type(select_ops(cpu_device, torch.float32, None, default_cache_dir())) is auto
-    monkeypatch.setattr(cpu, "has_vector_paths", lambda: False)
+    monkeypatch.setattr(cpu, "has_vector_paths", lambda isa_name=None: False)
     assert type(select_ops(cpu_device, torch.float32, None, default_cache_dir())) is TorchOps
 
 

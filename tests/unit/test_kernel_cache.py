@@ -69,6 +69,7 @@ def compile_as(tmp_path, monkeypatch):
     umask 0 would leave it) instead of compiling; returns the cache folder to load from."""
     # load() is cached per folder and sets the process-wide library: both restored after the test.
     monkeypatch.setattr(cpu._Loaded, "lib", cpu._Loaded.lib)
+    monkeypatch.setattr(cpu._Loaded, "isa", cpu._Loaded.isa)
     monkeypatch.setattr(cpu._Loaded, "max_rows", cpu._Loaded.max_rows)
 
     def use(library: Path) -> Path:
@@ -210,11 +211,92 @@ def test_the_isa_setting_names_its_build_and_refuses_what_the_cpu_lacks(monkeypa
             names[name] = cpu.library_path("/c").name
     assert len(set(names.values())) == len(names) >= 2  # auto and scalar at least, on any x86-64
     monkeypatch.setenv(cpu.ISA_ENV, "avx1024")
-    with pytest.raises(ValueError, match="must be one of auto, avx512, avx2, scalar; got 'avx1024'"):
+    with pytest.raises(ValueError, match="must be one of auto, avx512_vnni, avx512, avx_vnni, avx2, scalar; got "
+                                         "'avx1024'"):
         cpu.isa()
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma f16c")
     monkeypatch.setenv(cpu.ISA_ENV, "avx512")
     with pytest.raises(ValueError, match="avx512: this CPU lacks avx512bw, avx512cd, avx512dq, avx512f, avx512vl"):
         cpu.isa()
+    with pytest.raises(ValueError, match="avx_vnni: this CPU lacks avx_vnni$"):
+        cpu.load("/c", "avx_vnni")  # a name given by the caller (EngineConfig.cpu_isa) wins over the environment
+    with pytest.raises(ValueError, match="avx512_vnni: this CPU lacks avx512_vnni, avx512bw, avx512cd"):
+        cpu.isa("avx512_vnni")
+    assert cpu.isa("avx2") == "avx2" and cpu.has_vector_paths("avx2")
     monkeypatch.setenv(cpu.ISA_ENV, "scalar")
     assert cpu.isa() == "scalar" and not cpu.has_vector_paths()  # the plain loops: "auto" leaves them off
+
+
+def test_each_isa_builds_with_its_flags(monkeypatch):
+    """The levels' compiler flags, best first; each is part of the cache key (a build per ISA)."""
+    assert {name: " ".join(isa.flags) for name, isa in cpu.ISAS.items()} == {
+        "auto": "-march=native", "avx512_vnni": "-march=x86-64-v4 -mavx512vnni", "avx512": "-march=x86-64-v4",
+        "avx_vnni": "-march=x86-64-v3 -mavxvnni", "avx2": "-march=x86-64-v3", "scalar": "-march=x86-64"}
+    every_flag = " ".join(flag for isa in cpu.ISAS.values() for flag in isa.needs)
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: f"flags\t: {every_flag}")
+    assert len({cpu.library_path("/c", "cc", name) for name in cpu.ISAS}) == len(cpu.ISAS)
+
+
+def variants_built_for(isa_name: str, monkeypatch) -> dict[str, str]:
+    """``kernel_variants()`` of the library built for ``isa_name``, opened beside the process's own (which is
+    back in place when the test ends)."""
+    lib = cpu._open_cached_library(cpu._compiler(), default_cache_dir(), isa_name)
+    cpu._bind(lib)
+    monkeypatch.setattr(cpu._Loaded, "lib", lib)
+    return cpu.kernel_variants()
+
+
+FAMILIES = ["linear", "attention", "norms", "lora", "gguf", "gguf_x8"]
+
+
+def test_kernel_variants_name_the_path_each_family_was_built_to(monkeypatch):
+    assert list(cpu.kernel_variants()) == FAMILIES
+    assert cpu.info() == {"isa": cpu._Loaded.isa, "variants": cpu.kernel_variants()}
+    assert set(variants_built_for("scalar", monkeypatch).values()) == {"scalar"}
+    if not cpu.cpu_has("avx512_vnni"):
+        pytest.skip("this CPU lacks AVX512-VNNI: the x8 kernel's vpdpbusd path cannot run here")
+    assert variants_built_for("auto", monkeypatch)["gguf_x8"] == "avx512_vnni"
+    assert variants_built_for("avx512", monkeypatch) == dict.fromkeys(FAMILIES[:4], "avx512") | {
+        "gguf": "avx2", "gguf_x8": "avx2"}  # x86-64-v4 without VNNI: the x8 kernel's AVX2 path
+
+
+def test_a_second_load_for_another_isa_is_refused(compile_as, real_library):
+    """The library is process-wide: a load asking for another ISA than the one loaded raises, naming both;
+    asking for the same one (explicitly or through the environment's default) is fine."""
+    loaded = cpu.info()["isa"]
+    other = "scalar" if loaded != "scalar" else "auto"
+    with pytest.raises(ValueError, match=f"loaded for cpu_isa {loaded} in this process, which cannot load them "
+                                         f"for {other}"):
+        cpu.load(default_cache_dir(), other)
+    assert cpu.load(default_cache_dir(), loaded) and cpu.info()["isa"] == loaded
+    cpu._Loaded.lib = None  # (compile_as restores it) no library yet: any ISA loads (here the stand-in compiler
+    # copies the session's library whatever the flags) and is the one info() names
+    assert cpu.load(compile_as(real_library), other) and cpu.info()["isa"] == other
+
+
+def test_the_start_up_log_names_the_isa_and_each_family_s_path(compile_as, real_library, caplog):
+    caplog.set_level(logging.INFO, logger=cpu.__name__)
+    assert cpu.load(compile_as(real_library))
+    name = cpu.isa()
+    pairs = " ".join(f"{family}={path}" for family, path in cpu.kernel_variants().items())
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == cpu.__name__] == [
+        f"CPU kernels loaded, built for {name} ({' '.join(cpu.ISAS[name].flags)}): {pairs}"]
+    assert pairs.startswith("linear=") and " gguf_x8=" in pairs
+
+
+def test_an_engine_loads_the_kernels_for_its_cpu_isa(tiny_llama_dir):
+    """EngineConfig.cpu_isa reaches kernels/cpu.load from the worker: an ISA this CPU lacks, or another than the
+    one this process loaded, is refused at start-up; the loaded one runs, and the engine reports it."""
+    from conftest import make_llm
+    loaded = cpu.info()["isa"]
+    other = "scalar" if loaded != "scalar" else "auto"
+    with pytest.raises(ValueError, match=f"loaded for cpu_isa {loaded} in this process, which cannot load them "
+                                         f"for {other}"):
+        make_llm(tiny_llama_dir, cpu_isa=other, cpu_kernels=True, max_model_len=64, kv_cache_memory=2**20)
+    lacking = next((name for name in cpu.ISAS if not cpu.cpu_has(name)), None)
+    if lacking is not None:
+        with pytest.raises(ValueError, match=f"cpu_isa {lacking}: this CPU lacks"):
+            make_llm(tiny_llama_dir, cpu_isa=lacking, cpu_kernels=True, max_model_len=64, kv_cache_memory=2**20)
+    llm = make_llm(tiny_llama_dir, cpu_isa=loaded, cpu_kernels=True, max_model_len=64, kv_cache_memory=2**20)
+    assert llm.engine.cpu_kernels == {"isa": loaded, "variants": cpu.kernel_variants()}
+    llm.engine.shutdown()

@@ -19,8 +19,8 @@ from paged_runtime.entrypoints.llm import LLM
 from paged_runtime.settings import _base, flag_name, settings_of
 from rayserve_adapter.args import AppArgs
 
-ENV = ("PAGED_RUNTIME_CACHE", "PAGED_RUNTIME_CPU_KERNELS", "PAGED_RUNTIME_ATTENTION_BACKEND", "PAGED_RUNTIME_API_KEY",
-       "VLLM_API_KEY")
+ENV = ("PAGED_RUNTIME_CACHE", "PAGED_RUNTIME_CPU_KERNELS", "PAGED_RUNTIME_CPU_ISA", "PAGED_RUNTIME_ATTENTION_BACKEND",
+       "PAGED_RUNTIME_API_KEY", "VLLM_API_KEY")
 # A front end that decides a field itself, and why: the InferenceService's name is its served name, its model is
 # what --model_dir (KServe's storageUri mount) holds.
 KSERVE_OWN = {"served_model_name", "model"}
@@ -134,6 +134,25 @@ def test_environment_backed_defaults_are_read_when_a_config_is_built(monkeypatch
     assert AppArgs(api_key="k1, k2").server_config().api_key == ["k1", "k2"]  # a list given as one text
 
 
+def test_the_cpu_isa_is_one_setting_backed_by_its_variable(monkeypatch, capsys):
+    """--cpu-isa / $PAGED_RUNTIME_CPU_ISA picks the kernels' build among kernels/cpu.ISAS' names (best first);
+    another name is refused when a config is built (one this CPU lacks when the kernels load:
+    test_kernel_cache.py)."""
+    assert (EngineConfig().cpu_isa, serve().cpu_isa) == ("auto", "auto")
+    monkeypatch.setenv("PAGED_RUNTIME_CPU_ISA", "avx2")
+    assert (EngineConfig().cpu_isa, serve().cpu_isa, kserve().cpu_isa, ray().cpu_isa) == ("avx2",) * 4
+    assert serve("--cpu-isa", "avx512_vnni").cpu_isa == "avx512_vnni"  # a flag wins over the environment
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512_vnni, avx512, avx_vnni, avx2, scalar; "
+                                         "got 'avx1024'"):
+        EngineConfig(cpu_isa="avx1024")
+    monkeypatch.setenv("PAGED_RUNTIME_CPU_ISA", "sse4")
+    with pytest.raises(ValueError, match="cpu_isa must be one of .*; got 'sse4'"):
+        EngineConfig()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cpu-isa", "avx1024"])
+    assert "invalid choice: 'avx1024'" in capsys.readouterr().err
+
+
 def test_help_never_shows_a_secret(monkeypatch):
     monkeypatch.setenv("PAGED_RUNTIME_API_KEY", "s3cret")
     out = subprocess.run([sys.executable, "-m", "paged_runtime", "serve", "--help"], capture_output=True,
@@ -155,9 +174,11 @@ def test_the_implementations_serve_exactly_the_declared_choices():
     from paged_runtime import config
     from paged_runtime.attention import BACKENDS, BUILDERS, ENCODER
     from paged_runtime.core.scheduler import SCHEDULING_POLICIES
+    from paged_runtime.kernels.cpu import ISAS
     from paged_runtime.kernels.kv_quant import CACHE_DTYPES
     from paged_runtime.layers.quantization import NAMES
     assert set(SCHEDULING_POLICIES) == set(config.SCHEDULING_POLICIES)
     # encoder: not a choice, the backend of every encoder-only model (attention/__init__.py's select_backend)
     assert set(BACKENDS) == set(config.ATTENTION_BACKENDS) and set(BUILDERS) == {*BACKENDS, ENCODER}
     assert tuple(CACHE_DTYPES) == config.KV_CACHE_DTYPES and NAMES == config.QUANTIZATIONS
+    assert tuple(ISAS) == config.CPU_ISAS

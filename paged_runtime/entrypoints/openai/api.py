@@ -400,7 +400,11 @@ def build_router(engine: EngineClient | ModelSet, served_model_names: Sequence[s
 
     @router.get("/version")
     async def version() -> dict:
-        return {"version": __version__}
+        """vLLM's ``version``, and ``cpu_kernels``: the compiled CPU kernels the loaded engines run
+        (``EngineClient.cpu_kernels`` of the first that runs any: a server's engines share one cpu_isa), else
+        null."""
+        kernels = next((k for e in models.loaded_engines() if (k := e.cpu_kernels) is not None), None)
+        return {"version": __version__, "cpu_kernels": kernels}
 
     @router.post("/reset_prefix_cache", dependencies=auth)
     async def reset_prefix_cache() -> Response:
