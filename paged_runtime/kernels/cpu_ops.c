@@ -1198,7 +1198,6 @@ enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8
 enum { GGUF_X8 = 256 };
 static inline int gguf_base(int qt) { return qt & ~GGUF_X8; }
 static inline int gguf_x8(int qt) { return (qt & GGUF_X8) != 0; }
-static inline int gguf_x8_packable(int qt) { return qt == GGUF_Q4_0 || qt == GGUF_Q4_1 || qt == GGUF_Q8_0; }
 
 static int gguf_force_scalar = 0;
 
@@ -1217,6 +1216,7 @@ static int64_t gguf_block_bytes(int qt) {
     }
 }
 
+static inline int gguf_x8_packable(int qt) { return gguf_block_bytes(qt) != 0; } /* every known type */
 static inline int gguf_qk(int qt) { return gguf_base(qt) >= GGUF_Q4_K ? 256 : 32; } /* weights per block */
 static inline int gguf_has_min(int qt) {
     return qt == GGUF_Q4_1 || qt == GGUF_Q5_1 || qt == GGUF_Q4_K || qt == GGUF_Q5_K;
@@ -1670,51 +1670,120 @@ static void gguf_dequantize_range_avx2(const uint8_t *w, int64_t begin, int64_t 
  * and one scale multiply serves 8 outputs; a weight record is read once per 4 x rows (llama.cpp's AVX2
  * "Q4_0x8" repack is the same idea).
  *
- * Layout (Q4_0, Q4_1, Q8_0; N a multiple of 8): rows 8 g .. 8 g + 7 hold, run after run, a record of
- * d[8] (fp16, one per row), m[8] (fp16, Q4_1 only) and the 8 rows' quants: for 4-bit types 4 chunks of 32
- * bytes, byte 4 i + e of chunk c holding row i's q[8 c + e] (low nibble) and q[8 c + 4 + e] (high); for
- * Q8_0 8 chunks, byte 4 i + e of chunk c row i's q[4 c + e]. The bytes per row are the file's, so a packed
- * tensor keeps its shape. Q4_0 keeps its unsigned nibbles (its 8 is subtracted as 8 * sum x).
+ * Layout (every type; N a multiple of 8): rows 8 g .. 8 g + 7 hold, block after block, a record of the 8
+ * rows' block (8 x the block's bytes, so a packed tensor keeps its shape): first their scales, then run
+ * after run (a block holds 256 / 32 = 8 runs for K-quants, else 1) the 8 rows' 32 quants each:
+ *   - scales: d[8] (fp16, one per row; Q6_K's at the file's end of block), then for Q4_1 / Q5_1 m[8]
+ *     (fp16), for Q4_K / Q5_K dmin[8] (fp16) and per run 12 bytes (byte i: row i's 6-bit scale | the low
+ *     2 bits of its 6-bit min << 6; bytes 8 + i / 2: the min's high 4 bits, odd rows in the high nibble),
+ *     for Q6_K per run 16 int8 (row i's scale of the run's first 16 weights at i, of its last 16 at 8 + i);
+ *   - quants as unsigned values u = q + 8 (Q4_0), + 16 (Q5_0), + 32 (Q6_K), q otherwise: 4 chunks of 32
+ *     bytes, byte 4 i + e of chunk c holding row i's u[8 c + e] (low nibble) and u[8 c + 4 + e] (high);
+ *     then the bits above 4: 5-bit types 32 bytes, byte 4 i + e's bits 2 c and 2 c + 1 those of u[8 c + e]
+ *     and u[8 c + 4 + e]; Q6_K 64 bytes, two vectors of 32, vector v's byte 4 i + e holding 2 bits each of
+ *     u[8 c + e], u[8 c + 4 + e] for c = 2 v (bits 0-1, 2-3), then c = 2 v + 1 (bits 4-5, 6-7). Q8_0 has 8
+ *     chunks instead, byte 4 i + e of chunk c row i's q[4 c + e].
+ * The offsets of the signed types go back as a multiple of sum x (Q4_0, Q5_0), or the sign moves onto x
+ * (Q8_0, Q6_K: u8 x s8 products need an unsigned side).
  *
  * Arithmetic (the scalar and the vector paths alike, for every batch size): out[m, n] = acc + bias with
- * acc = 0 and, run by run, acc = fma(t, d * xd, acc) then, for Q4_1, acc = fma(m, xs, acc), t the run's
- * exact integer dot. */
+ * acc = 0 and, run by run, acc = fma(t, D * xd, acc) then, for the types with a min, acc = fma(M, xs, acc),
+ * t the run's exact integer dot, D and M the run's scale and min as gguf_scales gives them; Q6_K's two
+ * halves of 16 each have their own t and D, first half first. */
 static int64_t x8_record_bytes(int base) { return 8 * gguf_block_bytes(base); }
-static inline int x8_quant_offset(int base) { return base == GGUF_Q4_1 ? 32 : 16; }
+static inline int x8_runs(int base) { return gguf_qk(base) / 32; } /* runs per record */
+static inline int x8_quant_offset(int base) { /* scale bytes at the start of a record */
+    switch (base) {
+    case GGUF_Q4_1: case GGUF_Q5_1: return 32;
+    case GGUF_Q4_K: case GGUF_Q5_K: return 32 + 8 * 12;
+    case GGUF_Q6_K: return 16 + 8 * 16;
+    default: return 16;
+    }
+}
+static inline int x8_high_bytes(int base) { /* bytes of a run's bits above 4 */
+    return base == GGUF_Q6_K ? 64 : base == GGUF_Q5_0 || base == GGUF_Q5_1 || base == GGUF_Q5_K ? 32 : 0;
+}
+static inline int x8_run_bytes(int base) { return base == GGUF_Q8_0 ? 256 : 128 + x8_high_bytes(base); }
+static inline int x8_offset(int base) { /* what the stored u exceeds q by */
+    return base == GGUF_Q4_0 ? 8 : base == GGUF_Q5_0 ? 16 : base == GGUF_Q6_K ? 32 : 0;
+}
+static inline int x8_halves(int base) { return base == GGUF_Q6_K; } /* a scale per 16 weights */
 
-/* Row i (of 8) of record rec: its 32 quants as the file's q (Q4_0 less its 8) and scales. */
-static void x8_q_scalar(const uint8_t *rec, int i, int base, int8_t *q, GgufScales *sc) {
-    const uint8_t *qs = rec + x8_quant_offset(base);
+/* Run j's scales of row i (of 8) of record rec, as gguf_scales gives them for the file's block. */
+static GgufScales x8_scales(const uint8_t *rec, int j, int i, int base) {
     float d = half_at(rec + 2 * i);
-    *sc = (GgufScales){d, d, base == GGUF_Q4_1 ? half_at(rec + 16 + 2 * i) : 0.f};
-    for (int j = 0; j < 32; j++) {
-        if (base == GGUF_Q8_0) q[j] = (int8_t)qs[32 * (j / 4) + 4 * i + j % 4];
-        else {
-            uint8_t b = qs[32 * (j / 8) + 4 * i + j % 4];
-            q[j] = (int8_t)((j % 8 < 4 ? b & 15 : b >> 4) - (base == GGUF_Q4_0 ? 8 : 0));
+    switch (base) {
+    case GGUF_Q4_1: case GGUF_Q5_1: return (GgufScales){d, d, half_at(rec + 16 + 2 * i)};
+    case GGUF_Q4_K: case GGUF_Q5_K: {
+        const uint8_t *sb = rec + 32 + 12 * j;
+        int sc = sb[i] & 63, mn = sb[i] >> 6 | ((sb[8 + i / 2] >> (4 * (i % 2))) & 15) << 2;
+        return (GgufScales){d * (float)sc, d * (float)sc, -(half_at(rec + 16 + 2 * i) * (float)mn)};
+    }
+    case GGUF_Q6_K: {
+        const int8_t *sb = (const int8_t *)(rec + 16 + 16 * j);
+        return (GgufScales){d * (float)sb[i], d * (float)sb[8 + i], 0.f};
+    }
+    default: return (GgufScales){d, d, 0.f};
+    }
+}
+
+/* Row i (of 8) of record rec: run j's 32 quants as the file's q and scales. */
+static void x8_q_scalar(const uint8_t *rec, int j, int i, int base, int8_t *q, GgufScales *sc) {
+    const uint8_t *qs = rec + x8_quant_offset(base) + j * x8_run_bytes(base), *high = qs + 128;
+    *sc = x8_scales(rec, j, i, base);
+    for (int w = 0; w < 32; w++) {
+        if (base == GGUF_Q8_0) {
+            q[w] = (int8_t)qs[32 * (w / 4) + 4 * i + w % 4];
+            continue;
+        }
+        int c = w / 8, upper = w % 8 >= 4, at = 4 * i + w % 4, u = upper ? qs[32 * c + at] >> 4 : qs[32 * c + at] & 15;
+        if (x8_high_bytes(base) == 32) u |= ((high[at] >> (2 * c + upper)) & 1) << 4;
+        if (base == GGUF_Q6_K) u |= ((high[32 * (c / 2) + at] >> (4 * (c % 2) + 2 * upper)) & 3) << 4;
+        q[w] = (int8_t)(u - x8_offset(base));
+    }
+}
+
+/* Row i's block at p into record rec (zeroed: bits are or-ed in) as row i of 8. */
+static void x8_pack_row(const uint8_t *p, int i, int base, uint8_t *rec) {
+    switch (base) {
+    case GGUF_Q6_K: memcpy(rec + 2 * i, p + 208, 2); break;
+    default: memcpy(rec + 2 * i, p, 2); break;
+    }
+    if (base == GGUF_Q4_1 || base == GGUF_Q5_1 || base == GGUF_Q4_K || base == GGUF_Q5_K) memcpy(rec + 16 + 2 * i, p + 2, 2);
+    for (int j = 0; j < x8_runs(base); j++) {
+        if (base == GGUF_Q4_K || base == GGUF_Q5_K) {
+            int sc, mn;
+            k4_scale_min(p + 4, j, &sc, &mn);
+            uint8_t *sb = rec + 32 + 12 * j;
+            sb[i] = (uint8_t)(sc | (mn & 3) << 6);
+            sb[8 + i / 2] |= (uint8_t)((mn >> 2) << (4 * (i % 2)));
+        }
+        if (base == GGUF_Q6_K) { /* the run's two scales (gguf_scales' order) */
+            const int8_t *sc = (const int8_t *)(p + 192) + (j / 4) * 8 + (j % 4) * 2;
+            rec[16 + 16 * j + i] = (uint8_t)sc[0], rec[16 + 16 * j + 8 + i] = (uint8_t)sc[1];
+        }
+        int8_t q[32];
+        gguf_q_scalar(p, j, base, q);
+        uint8_t *qs = rec + x8_quant_offset(base) + j * x8_run_bytes(base), *high = qs + 128;
+        for (int w = 0; w < 32; w++) {
+            int u = q[w] + x8_offset(base), at = 4 * i + w % 4, c = w / 8, upper = w % 8 >= 4;
+            if (base == GGUF_Q8_0) {
+                qs[32 * (w / 4) + at] = (uint8_t)q[w];
+                continue;
+            }
+            qs[32 * c + at] |= (uint8_t)((u & 15) << (4 * upper));
+            if (x8_high_bytes(base) == 32) high[at] |= (uint8_t)(((u >> 4) & 1) << (2 * c + upper));
+            if (base == GGUF_Q6_K) high[32 * (c / 2) + at] |= (uint8_t)(((u >> 4) & 3) << (4 * (c % 2) + 2 * upper));
         }
     }
 }
 
-/* Rows [8 g, 8 g + 8) of w (the file's layout, row_bytes apart) repacked into out as above. */
+/* Rows [8 g, 8 g + 8) of w (the file's layout, row_bytes apart) repacked into out (zeroed) as above. */
 static void x8_pack_group(const uint8_t *w, int64_t row_bytes, int64_t g, int base, int64_t K, uint8_t *out) {
     int64_t bb = gguf_block_bytes(base), rb = x8_record_bytes(base);
-    int off = x8_quant_offset(base);
-    for (int64_t r = 0; r < K / 32; r++) {
+    for (int64_t r = 0; r < K / gguf_qk(base); r++) {
         uint8_t *rec = out + g * 8 * row_bytes + r * rb;
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *p = w + (8 * g + i) * row_bytes + r * bb;
-            memcpy(rec + 2 * i, p, 2);
-            if (base == GGUF_Q4_1) memcpy(rec + 16 + 2 * i, p + 2, 2);
-            int8_t q[32];
-            gguf_q_scalar(p, 0, base, q);
-            for (int j = 0; j < 32; j++) {
-                uint8_t u = (uint8_t)(q[j] + (base == GGUF_Q4_0 ? 8 : 0));
-                if (base == GGUF_Q8_0) rec[off + 32 * (j / 4) + 4 * i + j % 4] = u;
-                else if (j % 8 < 4) rec[off + 32 * (j / 8) + 4 * i + j % 4] = u;
-                else rec[off + 32 * (j / 8) + 4 * i + j % 4] |= (uint8_t)(u << 4);
-            }
-        }
+        for (int i = 0; i < 8; i++) x8_pack_row(w + (8 * g + i) * row_bytes + r * bb, i, base, rec);
     }
 }
 
@@ -1727,13 +1796,14 @@ static void x8_dot_scalar(const uint8_t *grp, int64_t K, int base, GgufActs a, i
         for (int i = 0; i < 8; i++) {
             int8_t q[32];
             GgufScales sc;
-            x8_q_scalar(grp + r * rb, i, base, q, &sc);
+            x8_q_scalar(grp + r / x8_runs(base) * rb, (int)(r % x8_runs(base)), i, base, q, &sc);
             for (int m = 0; m < M; m++) {
                 const int8_t *x = a.q + m * K + r * 32;
-                int t = 0;
-                for (int j = 0; j < 32; j++) t += q[j] * x[j];
+                int t = 0, t2 = 0;
+                for (int j = 0; j < 32; j++) *(x8_halves(base) && j >= 16 ? &t2 : &t) += q[j] * x[j];
                 acc[m][i] = fmaf((float)t, sc.lo * a.d[m * runs + r], acc[m][i]);
-                if (base == GGUF_Q4_1) acc[m][i] = fmaf(sc.m, a.s[m * runs + r], acc[m][i]);
+                if (x8_halves(base)) acc[m][i] = fmaf((float)t2, sc.hi * a.d[m * runs + r], acc[m][i]);
+                if (gguf_has_min(base)) acc[m][i] = fmaf(sc.m, a.s[m * runs + r], acc[m][i]);
             }
         }
 }
@@ -1762,11 +1832,48 @@ static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) { return _mm256
 static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #endif
 
-/* Run r's exact integer dots of the group's 8 rows (lanes) with x rows g0 .. g0 + G - 1 into t. */
+/* Bit `from` of each byte of h moved to bit `to`, then only the bits of mask kept (16-bit shifts: the bits
+ * that cross a byte boundary land outside the masks the layout's bit places use). */
+static inline __m256i x8_bits(__m256i h, const int from, const int to, const int mask) {
+    __m256i v = from <= to ? _mm256_slli_epi16(h, to - from) : _mm256_srli_epi16(h, from - to);
+    return _mm256_and_si256(v, _mm256_set1_epi8((char)mask));
+}
+
+/* Chunk c of a run's quants qs as unsigned bytes: lo = u[8 c + e], hi = u[8 c + 4 + e] at byte 4 i + e. */
+static inline __attribute__((always_inline)) void x8_chunk(const uint8_t *qs, const int c, const int base,
+                                                           __m256i *lo, __m256i *hi) {
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    *lo = _mm256_and_si256(b, lo4), *hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+    if (x8_high_bytes(base) == 32) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(qs + 128));
+        *lo = _mm256_or_si256(*lo, x8_bits(h, 2 * c, 4, 0x10));
+        *hi = _mm256_or_si256(*hi, x8_bits(h, 2 * c + 1, 4, 0x10));
+    } else if (base == GGUF_Q6_K) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(qs + 128 + 32 * (c / 2)));
+        *lo = _mm256_or_si256(*lo, x8_bits(h, 4 * (c % 2), 4, 0x30));
+        *hi = _mm256_or_si256(*hi, x8_bits(h, 4 * (c % 2) + 2, 4, 0x30));
+    }
+}
+
+/* t + lo . xl + hi . xh, 4 adjacent u8 x s8 products a lane each: exact (u8 <= 63 and |s8| <= 127 keep
+ * maddubs' pairs and their sum within int16). */
+static inline __m256i x8_dot2(__m256i t, __m256i lo, __m256i xl, __m256i hi, __m256i xh) {
+#ifdef X8_VNNI
+    return dpbusd8(dpbusd8(t, lo, xl), hi, xh);
+#else
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    return _mm256_add_epi32(t, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* A run's exact integer dots of the group's 8 rows (lanes) with x rows g0 .. g0 + G - 1 into t (Q6_K: its
+ * first 16 weights' into t, its last 16's into t2); qs: the run's quants, xq: row g0's run. */
 static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs, const int8_t *xq, int64_t K,
-                                                               const int base, const int G, __m256i *t) {
+                                                               const int base, const int G, __m256i *t,
+                                                               __m256i *t2) {
     const __m256i lo4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    for (int g = 0; g < G; g++) t[g] = _mm256_setzero_si256();
+    for (int g = 0; g < G; g++) t[g] = t2[g] = _mm256_setzero_si256();
     if (base == GGUF_Q8_0) {
         for (int c = 0; c < 8; c++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), aw = _mm256_sign_epi8(w, w);
@@ -1784,59 +1891,101 @@ static inline __attribute__((always_inline)) void x8_idot_avx2(const uint8_t *qs
         }
         return;
     }
-#ifdef X8_VNNI
-    for (int c = 0; c < 4; c++) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(b, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
-        for (int g = 0; g < G; g++) {
-            int32_t xl, xh;
-            memcpy(&xl, xq + g * K + 8 * c, 4);
-            memcpy(&xh, xq + g * K + 8 * c + 4, 4);
-            t[g] = dpbusd8(dpbusd8(t[g], lo, _mm256_set1_epi32(xl)), hi, _mm256_set1_epi32(xh));
-            X8_PIN(t[g]);
+#ifndef X8_VNNI
+    if (x8_high_bytes(base) == 0) {
+        /* 4-bit: int16 sums over the run, 8 maddubs of nibbles (<= 15) and int8 x (|x| <= 127): at most
+         * 30480, no overflow; one widening at the end */
+        for (int c = 0; c < 4; c++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(b, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+            for (int g = 0; g < G; g++) {
+                int32_t xl, xh;
+                memcpy(&xl, xq + g * K + 8 * c, 4);
+                memcpy(&xh, xq + g * K + 8 * c + 4, 4);
+                t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+                t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+                X8_PIN(t[g]);
+            }
         }
+        for (int g = 0; g < G; g++) t[g] = _mm256_madd_epi16(t[g], ones);
+        return;
     }
-    (void)ones;
-    return;
 #endif
-    /* int16 sums: 8 maddubs of nibbles (<= 15) and int8 x (|x| <= 128): at most 30720, no overflow */
+    (void)lo4, (void)ones;
     for (int c = 0; c < 4; c++) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(b, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+        __m256i lo, hi;
+        x8_chunk(qs, c, base, &lo, &hi);
+        __m256i slo = lo, shi = hi; /* Q6_K: signed q, whose sign goes onto x */
+        if (base == GGUF_Q6_K) {
+            slo = _mm256_sub_epi8(lo, _mm256_set1_epi8(32)), shi = _mm256_sub_epi8(hi, _mm256_set1_epi8(32));
+            lo = _mm256_abs_epi8(slo), hi = _mm256_abs_epi8(shi);
+        }
+        __m256i *into = base == GGUF_Q6_K && c >= 2 ? t2 : t;
         for (int g = 0; g < G; g++) {
             int32_t xl, xh;
             memcpy(&xl, xq + g * K + 8 * c, 4);
             memcpy(&xh, xq + g * K + 8 * c + 4, 4);
-            t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-            t[g] = _mm256_add_epi16(t[g], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-            X8_PIN(t[g]);
+            __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
+            if (base == GGUF_Q6_K) bl = _mm256_sign_epi8(bl, slo), bh = _mm256_sign_epi8(bh, shi);
+            into[g] = x8_dot2(into[g], lo, bl, hi, bh);
+            X8_PIN(into[g]);
         }
     }
-    for (int g = 0; g < G; g++) t[g] = _mm256_madd_epi16(t[g], ones);
 }
 
-/* x8_dot_scalar's acc for G (1 to 4) x rows from g0 (lanes: the group's 8 rows) into out[g0 ..]. */
+/* Run j's scales of the record's 8 rows (lanes) from its d: D (Q6_K: D2 too, for the last 16 weights) and,
+ * for the types with a min, M; each as x8_scales computes it. */
+static inline __attribute__((always_inline)) void x8_scales_avx2(const uint8_t *rec, int j, const int base,
+                                                                 __m256 *D, __m256 *D2, __m256 *M) {
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
+    *D = *D2 = d, *M = _mm256_setzero_ps();
+    if (base == GGUF_Q4_1 || base == GGUF_Q5_1) *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
+    if (base == GGUF_Q4_K || base == GGUF_Q5_K) {
+        const uint8_t *sb = rec + 32 + 12 * j;
+        uint32_t high;
+        memcpy(&high, sb + 8, 4);
+        __m256i s8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sb));
+        __m256i mh = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)high),
+                                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                      _mm256_set1_epi32(15));
+        __m256i sc = _mm256_and_si256(s8, _mm256_set1_epi32(63));
+        __m256i mn = _mm256_or_si256(_mm256_srli_epi32(s8, 6), _mm256_slli_epi32(mh, 2));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
+        *D = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        *M = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.f));
+    }
+    if (base == GGUF_Q6_K) {
+        const uint8_t *sb = rec + 16 + 16 * j;
+        *D = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sb))));
+        *D2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 8)))));
+    }
+}
+
+/* x8_dot_scalar's acc for G (1 to X8_ROWS) x rows from g0 (lanes: the group's 8 rows) into out[g0 ..]. */
 static inline __attribute__((always_inline)) void x8_dot_avx2(const uint8_t *grp, int64_t K, const int base,
                                                               GgufActs a, int64_t g0, const int G, float (*out)[8]) {
     const int64_t runs = K / 32, rb = x8_record_bytes(base);
-    const int off = x8_quant_offset(base);
+    const int per = x8_runs(base), off = x8_quant_offset(base), run_bytes = x8_run_bytes(base);
     __m256 acc[X8_ROWS];
     for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
 #pragma GCC unroll 1
     for (int64_t r = 0; r < runs; r++) {
-        const uint8_t *rec = grp + r * rb;
-        for (int line = 0; line < rb; line += 64) _mm_prefetch((const char *)rec + PREFETCH + line, _MM_HINT_T0);
-        __m256i t[X8_ROWS];
-        x8_idot_avx2(rec + off, a.q + g0 * K + r * 32, K, base, G, t);
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec));
+        const uint8_t *rec = grp + r / per * rb, *qs = rec + off + r % per * run_bytes;
+        /* a whole record of one run, else the run's quants (a K-quant record's scales are read 8 times) */
+        const uint8_t *ahead = (per == 1 ? rec : qs) + PREFETCH;
+        for (int line = 0; line < (per == 1 ? rb : run_bytes); line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        __m256i t[X8_ROWS], t2[X8_ROWS];
+        x8_idot_avx2(qs, a.q + g0 * K + r * 32, K, base, G, t, t2);
+        __m256 D, D2, M;
+        x8_scales_avx2(rec, (int)(r % per), base, &D, &D2, &M);
         for (int g = 0; g < G; g++) {
             int64_t at = (g0 + g) * runs + r;
-            __m256i ti = base == GGUF_Q4_0 ? _mm256_sub_epi32(t[g], _mm256_set1_epi32(8 * a.sum[at])) : t[g];
-            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc[g]);
-        }
-        if (base == GGUF_Q4_1) {
-            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16)));
-            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.s[(g0 + g) * runs + r]), acc[g]);
+            __m256i ti = x8_offset(base) && base != GGUF_Q6_K
+                             ? _mm256_sub_epi32(t[g], _mm256_set1_epi32(x8_offset(base) * a.sum[at])) : t[g];
+            __m256 xd = _mm256_set1_ps(a.d[at]);
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(D, xd), acc[g]);
+            if (base == GGUF_Q6_K) acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t2[g]), _mm256_mul_ps(D2, xd), acc[g]);
+            if (gguf_has_min(base)) acc[g] = _mm256_fmadd_ps(M, _mm256_set1_ps(a.s[at]), acc[g]);
         }
     }
     for (int g = 0; g < G; g++) _mm256_storeu_ps(out[g0 + g], acc[g]);
@@ -1879,15 +2028,20 @@ static inline int64_t x8_down(int64_t row) { return row & ~(int64_t)7; }
  * (+ bias), M <= GGUF_MAX_ROWS. */
 static void x8_linear_rows(const uint8_t *w, int base, const void *bias, int64_t begin, int64_t end, int64_t N,
                            int64_t K, GgufActs a, int M, void *out, int dt) {
-    int64_t row_bytes = K / 32 * gguf_block_bytes(base);
+    int64_t row_bytes = K / gguf_qk(base) * gguf_block_bytes(base);
     float acc[GGUF_MAX_ROWS][8];
     for (int64_t n = x8_down(begin); n < x8_down(end); n += 8) {
         const uint8_t *grp = w + n * row_bytes;
 #if GGUF_AVX2
         if (!gguf_force_scalar) {
-            switch (base) {
+            switch (base) { /* one instance per type: its layout's constants fold */
             case GGUF_Q4_0: x8_group_avx2(grp, K, GGUF_Q4_0, a, M, acc); break;
             case GGUF_Q4_1: x8_group_avx2(grp, K, GGUF_Q4_1, a, M, acc); break;
+            case GGUF_Q5_0: x8_group_avx2(grp, K, GGUF_Q5_0, a, M, acc); break;
+            case GGUF_Q5_1: x8_group_avx2(grp, K, GGUF_Q5_1, a, M, acc); break;
+            case GGUF_Q4_K: x8_group_avx2(grp, K, GGUF_Q4_K, a, M, acc); break;
+            case GGUF_Q5_K: x8_group_avx2(grp, K, GGUF_Q5_K, a, M, acc); break;
+            case GGUF_Q6_K: x8_group_avx2(grp, K, GGUF_Q6_K, a, M, acc); break;
             default: x8_group_avx2(grp, K, GGUF_Q8_0, a, M, acc); break;
             }
             x8_store_avx2(acc, bias, n, N, M, out, dt);
@@ -1904,16 +2058,17 @@ static void x8_linear_rows(const uint8_t *w, int base, const void *bias, int64_t
 
 /* out[N, K] (dt) = the packed w's values, as the file's rows would give them. */
 static void x8_dequantize(const uint8_t *w, void *out, int64_t N, int64_t K, int base, int dt) {
-    int64_t runs = K / 32, row_bytes = runs * gguf_block_bytes(base), rb = x8_record_bytes(base);
+    int64_t runs = K / 32, row_bytes = K / gguf_qk(base) * gguf_block_bytes(base), rb = x8_record_bytes(base);
+    int per = x8_runs(base);
 #pragma omp parallel for if (N * runs > 256)
     for (int64_t n = 0; n < N; n++)
         for (int64_t r = 0; r < runs; r++) {
             int8_t q[32];
             GgufScales sc;
-            x8_q_scalar(w + (n / 8) * 8 * row_bytes + r * rb, (int)(n % 8), base, q, &sc);
+            x8_q_scalar(w + (n / 8) * 8 * row_bytes + r / per * rb, (int)(r % per), (int)(n % 8), base, q, &sc);
             for (int j = 0; j < 32; j++) { /* gguf's order: d * q, then + m */
-                float v = sc.lo * (float)q[j];
-                store(out, n * K + r * 32 + j, base == GGUF_Q4_1 ? v + sc.m : v, dt);
+                float v = (j < 16 ? sc.lo : sc.hi) * (float)q[j];
+                store(out, n * K + r * 32 + j, gguf_has_min(base) ? v + sc.m : v, dt);
             }
         }
 }
@@ -2003,7 +2158,7 @@ int pr_gguf_linear(const void *x, const void *w, const void *bias, void *out, in
  * or N not a multiple of 8. */
 int pr_gguf_pack_x8(const void *w, void *out, int64_t N, int64_t K, int qt) {
     if (gguf_check(K, qt) || gguf_x8(qt) || !gguf_x8_packable(qt) || N % 8) return -1;
-    int64_t row_bytes = K / 32 * gguf_block_bytes(qt);
+    int64_t row_bytes = K / gguf_qk(qt) * gguf_block_bytes(qt);
     memset(out, 0, N * row_bytes);
 #pragma omp parallel for if (N > 64)
     for (int64_t g = 0; g < N / 8; g++) x8_pack_group(w, row_bytes, g, qt, K, out);
