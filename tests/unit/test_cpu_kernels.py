@@ -231,9 +231,9 @@ def test_the_compiled_decode_step_takes_gguf_blocks(dtype, rows, repack):
     layer, step, refs, (x, residual, kv_cache) = _decode_layer_case(dtype, rows, GGUFLinearMethod(cpu, repack=repack),
                                                                     parts)
     description = layer.describe()
-    x8 = 256 if repack else 0  # Q4_0, Q4_1 and Q8_0 repack (their rows are whole groups of 8); Q5s do not
+    x8 = 256 if repack else 0  # every type repacks (their rows are whole groups of 8)
     types = [t for m in (description.qkv, description.o, description.gate_up, description.down) for _, t in m.parts]
-    assert len(description.qkv.parts) == 2 and set(types) == {6, 7, 2 | x8, 3 | x8, 8 | x8}
+    assert len(description.qkv.parts) == 2 and set(types) == {6 | x8, 7 | x8, 2 | x8, 3 | x8, 8 | x8}
     _run_stack([description], dtype, x, residual, step)
     _assert_step_matches(dtype, refs, (x, residual, kv_cache))
 
