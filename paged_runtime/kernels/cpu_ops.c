@@ -1064,15 +1064,6 @@ static inline V16 kv_scale16(const Paged *P, int64_t slot, int kv, int64_t g, in
     return v16_set1(rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt));
 }
 
-#ifndef KV_AHEAD
-#define KV_AHEAD 32 /* tokens ahead that attention prefetches a cache row: the rows of one KV head are
-                      scattered (a slot holds every head's key and value), so the hardware prefetcher misses
-                      them and the loop waited on memory (10 GB/s at 128 rows x 512 tokens, float32) */
-#endif
-static inline void prefetch_kv(const void *kv_cache, int64_t at, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)kv_cache + at + line, _MM_HINT_T0);
-}
-
 /* row[t] = exp(row[t] - max(row)) for t < len; returns their sum. */
 static float softmax_unnormalized(float *row, int64_t len) {
 #ifdef __AVX512F__
@@ -1121,11 +1112,9 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t i = 0; i < G * dim; i++) qf[i] = load(q, b * q_stride + g * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     const int64_t *table = P->block_tables + b * P->table_stride;
     V16 kv[MAX_CHUNKS];
-    SlotWalk walk = walk_from(P, table, first), ahead = walk_from(P, table, first);
-    for (int64_t t = 0; t < len && t < KV_AHEAD; t++) next_slot(&ahead);
+    SlotWalk walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
-        if (t + KV_AHEAD < len) prefetch_kv(kv_cache, next_slot(&ahead) * 2 * row_bytes + head_bytes, dim * elem);
         const char *key = (const char *)kv_cache + slot * 2 * row_bytes + head_bytes;
         if (scaled) scale = kv_scale16(P, slot, 0, g, dt);
         for (int64_t c = 0; c < chunks; c++) kv[c] = kv_load16(key, c * 16, kv_dt, scale, dt);
@@ -1137,11 +1126,9 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     }
     float sums[MAX_GROUP];
     for (int64_t j = 0; j < G; j++) sums[j] = softmax_unnormalized(scores + j * len, len);
-    walk = walk_from(P, table, first), ahead = walk_from(P, table, first);
-    for (int64_t t = 0; t < len && t < KV_AHEAD; t++) next_slot(&ahead);
+    walk = walk_from(P, table, first);
     for (int64_t t = 0; t < len; t++) {
         int64_t slot = next_slot(&walk);
-        if (t + KV_AHEAD < len) prefetch_kv(kv_cache, (next_slot(&ahead) * 2 + 1) * row_bytes + head_bytes, dim * elem);
         const char *value = (const char *)kv_cache + (slot * 2 + 1) * row_bytes + head_bytes;
         if (scaled) scale = kv_scale16(P, slot, 1, g, dt);
         for (int64_t c = 0; c < chunks; c++) kv[c] = kv_load16(value, c * 16, kv_dt, scale, dt);
