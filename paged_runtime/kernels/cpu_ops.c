@@ -1258,7 +1258,8 @@ int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_ca
  *
  * The vector paths need AVX2 (+ FMA, F16C: -march=native on any AVX2 CPU has them); every type also has
  * a scalar path, compiled everywhere, which pr_gguf_force_scalar(1) selects at run time (tests use both).
- * No AVX-512 code here: none could be tested on the machine this was written on.
+ * AVX-512 adds to them where the build has it: the x8 kernel's VNNI dot product (vpdpbusd on 256-bit lanes,
+ * exactly maddubs' integers) and 8 x rows per pass (32 vector registers); see the x8 section.
  */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_AVX2 1

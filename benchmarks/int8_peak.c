@@ -1,0 +1,61 @@
+/* The CPU's peak int8 dot-product rate, measured: ten independent accumulator chains of the widest u8 x s8
+ * dot product the compiler is allowed (-march=native): vpdpbusd on 512 bits with AVX512-VNNI, on 256 with
+ * AVX-VNNI, else AVX2's maddubs + madd + add (three instructions per 32 products). One chain set per OpenMP
+ * thread; ops = 2 per product (a multiply and an add), as GEMM rates count them. Prints "<GOPS> <instruction>".
+ * Built and run by gguf_kernels.py. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#if defined(__AVX512VNNI__)
+typedef __m512i V;
+#define NAME "vpdpbusd zmm"
+#define PRODUCTS 64
+static inline V step(V a, V u, V s) { return _mm512_dpbusd_epi32(a, u, s); }
+static inline V splat8(char c) { return _mm512_set1_epi8(c); }
+static inline int lane0(V x) { return _mm_cvtsi128_si32(_mm512_castsi512_si128(x)); }
+#elif defined(__AVXVNNI__) || defined(__AVX2__)
+typedef __m256i V;
+#define PRODUCTS 32
+#if defined(__AVXVNNI__)
+#define NAME "vpdpbusd ymm (AVX-VNNI)"
+static inline V step(V a, V u, V s) { return _mm256_dpbusd_avx_epi32(a, u, s); }
+#else
+#define NAME "vpmaddubsw + vpmaddwd + vpaddd ymm"
+static inline V step(V a, V u, V s) { /* a as the signed side too: else the products would be loop-invariant */
+    (void)s;
+    return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+}
+#endif
+static inline V splat8(char c) { return _mm256_set1_epi8(c); }
+static inline int lane0(V x) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(x)); }
+#endif
+
+int main(void) {
+#ifdef NAME
+    const long iters = 50000000L;
+    double best = 0;
+    long sink = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double start = omp_get_wtime();
+#pragma omp parallel reduction(+ : sink)
+        {
+            V u = splat8(3), s = splat8(-2), a[10];
+            for (int i = 0; i < 10; i++) a[i] = splat8((char)i);
+            for (long n = 0; n < iters; n++) {
+#pragma GCC unroll 10
+                for (int i = 0; i < 10; i++) a[i] = step(a[i], u, s);
+            }
+            for (int i = 0; i < 10; i++) sink += lane0(a[i]);
+        }
+        double rate = 2.0 * PRODUCTS * 10 * iters * omp_get_max_threads() / (omp_get_wtime() - start);
+        best = rate > best ? rate : best;
+    }
+    printf("%.1f %s\n", best / 1e9, NAME);
+    return (int)(sink & 0); /* sink keeps the chains */
+#else
+    printf("0 none\n");
+    return 0;
+#endif
+}
