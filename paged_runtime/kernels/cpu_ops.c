@@ -1827,11 +1827,8 @@ static void x8_q_scalar(const uint8_t *rec, int j, int i, int base, int8_t *q, G
 
 /* Row i's block at p into record rec (zeroed: bits are or-ed in) as row i of 8. */
 static void x8_pack_row(const uint8_t *p, int i, int base, uint8_t *rec) {
-    switch (base) {
-    case GGUF_Q6_K: memcpy(rec + 2 * i, p + 208, 2); break;
-    default: memcpy(rec + 2 * i, p, 2); break;
-    }
-    if (base == GGUF_Q4_1 || base == GGUF_Q5_1 || base == GGUF_Q4_K || base == GGUF_Q5_K) memcpy(rec + 16 + 2 * i, p + 2, 2);
+    memcpy(rec + 2 * i, p + (base == GGUF_Q6_K ? 208 : 0), 2);   /* d */
+    if (gguf_has_min(base)) memcpy(rec + 16 + 2 * i, p + 2, 2); /* m, or a K-quant's dmin */
     for (int j = 0; j < x8_runs(base); j++) {
         if (base == GGUF_Q4_K || base == GGUF_Q5_K) {
             int sc, mn;
