@@ -94,11 +94,13 @@ def gathered_attention(q, kv_cache, tables, lens, block_size, scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 48), (6, 2, 40)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_paged_decode_attention(dtype, heads, kv_heads, dim, block_size):
+@pytest.mark.parametrize("copies", [1, 16])
+def test_paged_decode_attention(dtype, heads, kv_heads, dim, block_size, copies):
     """GQA ratios 1/3/4/8; head dims on the vector path (64, 128, 48) and off it (40); ragged lengths
-    that start, end and cross blocks, over shuffled block tables."""
+    that start, end and cross blocks and runs of 16 tokens, over shuffled block tables. 5 rows take (row, KV
+    head) items; 80 take whole rows (4 a thread, up to 20 threads)."""
     g = torch.Generator().manual_seed(heads * dim + block_size)
-    num_blocks, lens = 48, torch.tensor([1, block_size, block_size + 1, 37, 300])
+    num_blocks, lens = 48, torch.tensor([1, block_size, block_size + 1, 37, 300] * copies)
     kv_cache = torch.randn(num_blocks * block_size, 2, kv_heads, dim, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:20] for _ in lens])
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
