@@ -1,0 +1,132 @@
+"""CPU paged decode attention (``cpu_paged_decode_attention``) against PyTorch's SDPA on contiguous K/V and
+the machine's read bandwidth.
+
+What it measures
+    SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head dim 64), one query token per row over
+    its context in blocks of 16 tokens, the blocks scattered at random over the cache as a running engine's
+    are. Batch x context: 1 x 512, 4 x 512, 16 x 512, 128 x 512, 16 x 2000. Caches: float32 queries over a
+    bfloat16 cache (the default model's), float32, bfloat16. Each call reads a different copy of the cache
+    (enough copies for 512 MiB, at most one per layer of the model), so the KV comes from memory, as in a
+    decode step, where each layer's cache is read once. Best of ``--repeats`` timings of a pass over the
+    copies. The same run measures:
+    - ``sdpa``: ``F.scaled_dot_product_attention`` (``enable_gqa``) over the same keys and values laid out
+      contiguously ([batch, KV heads, context, dim]: no paging, each row's K/V one stream), the peer;
+    - the read floor: GB/s of ``torch.sum`` over 1 GiB on the same threads (what a stream can read).
+    GB/s counts the KV bytes each call reads: batch x context x KV heads x dim x 2 x element size.
+
+How to run
+    .venv/bin/python benchmarks/cpu_attention.py            # about a minute; a quiet machine
+    .venv/bin/python benchmarks/cpu_attention.py --isa avx2  # the AVX2 build on an AVX-512 CPU
+
+Writes benchmarks/results/cpu_attention[-<isa>]-cpu.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+from benchmarks.common import machine_info, others_busy_cores, result_path, write_results  # noqa: E402
+
+from paged_runtime.config import default_cache_dir  # noqa: E402
+from paged_runtime.kernels import cpu  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+SHAPES = ((1, 512), (4, 512), (16, 512), (128, 512), (16, 2000))
+CACHES = {"f32 q, bf16 cache": (torch.float32, torch.bfloat16), "float32": (torch.float32, torch.float32),
+          "bfloat16": (torch.bfloat16, torch.bfloat16)}
+STREAM_BYTES = 512 << 20  # copies cycled through: far more than the last-level cache
+
+
+def best_ms(fn, copies: list, repeats: int) -> float:
+    fn(copies[0])  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for c in copies:
+            fn(c)
+        best = min(best, (time.perf_counter() - start) / len(copies))
+    return best * 1e3
+
+
+def read_floor_gb_s(repeats: int) -> float:
+    x = torch.ones(1 << 28)  # 1 GiB of float32
+    return x.numel() * 4 / best_ms(torch.sum, [x], repeats) / 1e6
+
+
+def case(batch: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, repeats: int,
+         gen: torch.Generator) -> dict:
+    blocks = batch * -(-context // BLOCK)
+    one = blocks * BLOCK * 2 * KV_HEADS * DIM * kv_dtype.itemsize
+    n = max(1, min(LAYERS, STREAM_BYTES // one))
+    caches = [torch.randn(blocks * BLOCK, 2, KV_HEADS, DIM, generator=gen).to(kv_dtype) for _ in range(n)]
+    tables = torch.randperm(blocks, generator=gen).view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, HEADS, DIM, generator=gen).to(q_dtype)
+    ours = best_ms(lambda kv: cpu.cpu_paged_decode_attention(q, kv, tables, lens, BLOCK, DIM ** -0.5), caches, repeats)
+    # the peer: the same keys and values, each row's contiguous, [batch, KV heads, context, dim]
+    slots = (tables[:, :, None] * BLOCK + torch.arange(BLOCK)).view(batch, -1)[:, :context]
+    contiguous = [(kv[slots][:, :, 0].transpose(1, 2).contiguous(), kv[slots][:, :, 1].transpose(1, 2).contiguous())
+                  for kv in caches]
+    del caches
+    qs = q.to(kv_dtype)[:, :, None]
+    sdpa = best_ms(lambda kv: F.scaled_dot_product_attention(qs, kv[0], kv[1], scale=DIM ** -0.5, enable_gqa=True),
+                   contiguous, repeats)
+    kv_bytes = batch * context * KV_HEADS * DIM * 2 * kv_dtype.itemsize
+    return {"batch": batch, "context": context, "copies": n, "kv_bytes": kv_bytes, "ms": ours,
+            "gb_s": kv_bytes / ours / 1e6, "sdpa_ms": sdpa, "sdpa_gb_s": kv_bytes / sdpa / 1e6, "vs_sdpa": sdpa / ours}
+
+
+def draw(plt, rows: list[dict], floor: float, title: str):
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    labels = [f"{r['cache']}\n{r['batch']}x{r['context']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["gb_s"] for r in rows], 0.4, label="cpu_paged_decode_attention (paged)")
+    ax.bar([i + 0.2 for i in x], [r["sdpa_gb_s"] for r in rows], 0.4, label="torch SDPA (contiguous K/V)")
+    ax.axhline(floor, color="k", linestyle="--", label=f"read floor {floor:.1f} GB/s")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("KV GB/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--isa", default=None, help="--cpu-isa of the kernels (default: auto)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu.load(default_cache_dir(), args.isa):
+        sys.exit("the CPU kernels did not build (no C compiler?)")
+    out = args.out or result_path("cpu_attention", args.isa, device="cpu")
+    busy_before, gen = others_busy_cores(), torch.Generator().manual_seed(0)
+    floor = read_floor_gb_s(args.repeats)
+    rows = []
+    print(f"{'cache':18}{'batch x ctx':>12}{'ms':>9}{'GB/s':>7}{'floor':>7}{'sdpa ms':>9}{'GB/s':>7}{'vs sdpa':>9}")
+    for cache, (q_dtype, kv_dtype) in CACHES.items():
+        for batch, context in SHAPES:
+            r = {"cache": cache, **case(batch, context, q_dtype, kv_dtype, args.repeats, gen)}
+            r["share_of_floor"] = r["gb_s"] / floor
+            rows.append(r)
+            print(f"{cache:18}{f'{batch}x{context}':>12}{r['ms']:9.3f}{r['gb_s']:7.1f}{r['share_of_floor']:7.0%}"
+                  f"{r['sdpa_ms']:9.3f}{r['sdpa_gb_s']:7.1f}{r['vs_sdpa']:8.2f}x")
+    machine = machine_info()
+    result = {"machine": machine, "threads": args.threads, "isa": args.isa or "auto",
+              "others_busy_cores": (busy_before, others_busy_cores()), "load_average": os.getloadavg(),
+              "read_floor_gb_s": floor, "rows": rows}
+    title = (f"CPU decode attention, SmolLM2 shape, blocks of 16 scattered; {machine['cpu_model']}, "
+             f"{args.threads} threads, kernels {machine['cpu_kernels']['variants']['attention']}")
+    print(write_results(out, result, draw, rows, floor, title, indent=1))
+
+
+if __name__ == "__main__":
+    main()
