@@ -1097,11 +1097,13 @@ static float softmax_unnormalized(float *row, int64_t len) {
 }
 
 #define KV_RUN 16 /* tokens attend_group_impl reads a key and value run of: a block of the default size */
-#define KV_AHEAD 48 /* tokens ahead that attention prefetches (prefetch_slot): at 128 rows x 512 tokens 16 left
-                      it waiting on memory more often (3.4-4.0 ms a layer; 48: 2.8-3.5; 96: 3.3-3.4) */
+#define KV_AHEAD_BYTES (24 << 10) /* how far ahead attention prefetches, in bytes of the slots it reads: at 128
+                                     rows x 512 tokens, 16 tokens of a float32 cache (24 KB) ran 1.15x 48's, 32-48 of a
+                                     bfloat16 one (24-36 KB) 1.1-1.2x 16's, and 48 of one head's float32 rows (24 KB) at
+                                     4 rows 1.25x 16's */
 
 /* Into L2, the cache lines of a slot's keys and values from byte `from` of each, `bytes` long: attention asks
- * for the slot KV_AHEAD tokens on while it computes this one. Blocks are scattered, so the hardware prefetchers
+ * for the slot KV_AHEAD_BYTES on while it computes this one. Blocks are scattered, so the hardware prefetchers
  * lose the stream at each one, and the loop waited on memory: at 128 rows x 512 tokens (bfloat16 cache, 30
  * layers' caches in turn, 2-core Zen 4) 7.5 -> 2.9-3.5 ms a layer. L2, not L1: fetched into L1 (32 KB) the
  * slots ahead evicted this run's values before they were read (no gain then). Inlined: a call in the token
@@ -1135,13 +1137,14 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t i = 0; i < n * dim; i++) qf[i] = load(q, b * q_stride + g0 * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     for (int64_t j = 0; j < n; j++) top[j] = -INFINITY, sums[j] = 0.f;
     int64_t slots[KV_RUN];
+    int64_t distance = KV_AHEAD_BYTES / (2 * gn * dim * elem) + 1; /* tokens */
     SlotWalk walk = walk_from(P, P->block_tables + b * P->table_stride, first), ahead = walk;
-    for (int64_t t = 0; t < KV_AHEAD && t < len; t++) next_slot(&ahead);
+    for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
     for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) {
         int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
         for (int64_t t = 0; t < tn; t++) slots[t] = next_slot(&walk);
         for (int64_t t = 0; t < tn; t++) {
-            if (t0 + t + KV_AHEAD < len)
+            if (t0 + t + distance < len)
                 prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, g0 * dim * elem, gn * dim * elem);
             for (int64_t gi = 0; gi < gn; gi++) {
                 const char *key = (const char *)kv_cache + slots[t] * 2 * row_bytes + (g0 + gi) * dim * elem;
