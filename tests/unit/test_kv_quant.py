@@ -138,6 +138,26 @@ def test_c_decode_attention_reads_the_converted_cache_as_the_torch_backend(name,
 
 
 @kernels
+@pytest.mark.parametrize("name,dtype", CONVERTED + [pytest.param("auto", t, id=f"auto-{str(t)[6:]}") for t in DTYPES])
+def test_c_decode_attention_gives_whole_rows_the_bits_of_rows_by_kv_head(name, dtype):
+    """80 rows take whole-row items (4 a thread, up to 20 threads), 5 rows (row, KV head) items: each head's
+    arithmetic is the same sequence either way, so the bits are too."""
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 24
+    if name == "auto":
+        cache, scale = torch.randn(num_blocks * block_size, 2, kv_heads, dim).to(dtype), None
+    else:
+        cache, scale = filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=5)
+    g = torch.Generator().manual_seed(1)
+    lens = torch.tensor([1, 16, 17, 90, 200] * 16)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:13] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    whole = cpu.cpu_paged_decode_attention(q, cache, tables, lens, block_size, 0.125, kv_scale=scale)
+    by_head = torch.cat([cpu.cpu_paged_decode_attention(q[i:i + 5], cache, tables[i:i + 5], lens[i:i + 5], block_size,
+                                                        0.125, kv_scale=scale) for i in range(0, len(lens), 5)])
+    assert torch.equal(whole, by_head)
+
+
+@kernels
 def test_c_kernel_refuses_an_8_bit_cache_without_its_scales():
     cache, _ = empty_cache("int8", 16, 1, 16)
     with pytest.raises(ValueError, match="needs its contiguous float32 kv_scale"):
