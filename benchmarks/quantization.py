@@ -24,6 +24,7 @@ What it measures
 
 How to run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantization.py --threads 2
+    .venv/bin/python benchmarks/quantization.py --threads 2 --dtype auto  # as served: the GGUF in float32
     .venv/bin/python benchmarks/quantization.py --rounds 1 --decode-tokens 8 --num-requests 2 --ppl-tokens 256  # smoke
 
 Writes benchmarks/results/quantization-<device>.json (and a PNG if matplotlib is installed).
@@ -117,6 +118,9 @@ def main(argv=None) -> int:
     p.add_argument("--ppl-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
+                   help="every engine's activations; auto: each one's own (the GGUF blocks float32, as the default "
+                        "model is served; the dequantized checkpoint its bfloat16)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp even where it is installed")
     p.add_argument("--note", default="", help="recorded in the JSON (e.g. who else shared the machine)")
     p.add_argument("--out", type=Path, default=None)
@@ -126,17 +130,17 @@ def main(argv=None) -> int:
     from paged_runtime import LLM
     from paged_runtime.layers.quantization import resident_bytes
     from paged_runtime.utils.perplexity import perplexity
-    out = args.out or result_path("quantization")
+    out = args.out or result_path("quantization", None if args.dtype == "bfloat16" else args.dtype)
     from paged_runtime.models.default_model import default_model_path
     plain = plain_checkpoint(default_model_path(), Path(tempfile.mkdtemp(prefix="smollm2-plain-")))
-    engines = {mode: LLM(model=None if mode == "gguf" else str(plain), dtype="bfloat16", quantization=mode,
+    engines = {mode: LLM(model=None if mode == "gguf" else str(plain), dtype=args.dtype, quantization=mode,
                          max_model_len=args.max_model_len, seed=0, max_num_seqs=max(args.num_requests, 1),
                          kv_cache_memory=256 << 20, enable_prefix_caching=False) for mode in MODES}
     vocab = engines["none"].engine.vocab_size
     workload, decode_prompt = round_workload(args, vocab)
-    machine = machine_info() | {"dtype": "bfloat16", "ops": engines["none"].engine.core.ops.name, "note": args.note}
+    machine = machine_info() | {"dtype": args.dtype, "ops": engines["none"].engine.core.ops.name, "note": args.note}
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cores, torch {machine['torch']} "
-          f"({machine['torch_threads']} threads), bfloat16, ops {machine['ops']}", flush=True)
+          f"({machine['torch_threads']} threads), {args.dtype}, ops {machine['ops']}", flush=True)
     summary = {}
     ids = engines["none"].get_tokenizer().encode(TEXT.read_text())[:args.ppl_tokens]
     for mode, llm in engines.items():
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
               f"{cell(v, 'decode_speedup', '>16.2f'):>16} {cell(v, 'throughput', '>18.2f'):>18}")
     result = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
               "rounds": rounds}
-    title = f"quantized weights and llama.cpp, SmolLM2-135M, {machine['cpu_model']} (bfloat16 activations)"
+    title = f"quantized weights and llama.cpp, SmolLM2-135M, {machine['cpu_model']} ({args.dtype} activations)"
     print(write_results(out, result, draw, summary, title))
     for name in MODES:
         engines[name].engine.core.shutdown()
