@@ -1064,38 +1064,6 @@ static inline V16 kv_scale16(const Paged *P, int64_t slot, int kv, int64_t g, in
     return v16_set1(rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt));
 }
 
-/* row[t] = exp(row[t] - max(row)) for t < len; returns their sum. */
-static float softmax_unnormalized(float *row, int64_t len) {
-#ifdef __AVX512F__
-    __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
-        m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, row + t));
-    }
-    m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), m));
-        _mm512_mask_storeu_ps(row + t, mask, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
-    }
-    return _mm512_reduce_add_ps(total);
-#else
-    int64_t whole = len / 16 * 16;
-    V16 m = v16_set1(-INFINITY), total = v16_zero();
-    for (int64_t t = 0; t < whole; t += 16) m = v16_max(v16_loadf(row + t), m);
-    float top = v16_hmax(m), sum = 0.f;
-    for (int64_t t = whole; t < len; t++) top = row[t] > top ? row[t] : top;
-    for (int64_t t = 0; t < whole; t += 16) {
-        V16 e = exp16(v16_sub(v16_loadf(row + t), v16_set1(top)));
-        v16_storef(row + t, e);
-        total = v16_add(total, e);
-    }
-    for (int64_t t = whole; t < len; t++) row[t] = expf(row[t] - top), sum += row[t];
-    return v16_sum(total) + sum;
-#endif
-}
-
 #define KV_RUN 16 /* tokens attend_group_impl reads a key and value run of: a block of the default size */
 #define KV_AHEAD_BYTES (24 << 10) /* how far ahead attention prefetches, in bytes of the slots it reads: at 128
                                      rows x 512 tokens, 16 tokens of a float32 cache (24 KB) ran 1.15x 48's, 32-48 of a
@@ -1236,9 +1204,7 @@ static void attention_range(const Paged *P, int64_t B, int64_t per_row, int64_t 
     }
 }
 
-#ifndef ROWS_PER_THREAD
 #define ROWS_PER_THREAD 4
-#endif
 /* The calling thread's share of B rows' attention with the vector kernel (an 8-bit cache dequantized there 16
  * values at a time): whole rows, each slot read once, where there are ROWS_PER_THREAD rows a thread; else
  * (row, KV head) items, so a few rows still keep every thread busy. (row, query head) items with the scalar
