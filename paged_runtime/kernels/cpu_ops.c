@@ -179,9 +179,10 @@ static inline __m256 scale2_8(__m256 p, __m256 n) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 static inline V16 v16_scale2(V16 p, V16 n) { return v16_pair(scale2_8(p.lo, n.lo), scale2_8(p.hi, n.hi)); }
-/* exp(88) is finite (2^127 * p); above it the exponent would overflow: exp16 gives exp(88) there */
+/* exp(88) is finite (2^127 * p); above it the exponent would overflow: exp16 gives exp(88) there. NaN stays NaN
+ * (min returns its second operand then): attention's online softmax passes a NaN score straight to exp16. */
 static inline V16 v16_exp_cap(V16 x) {
-    return v16_pair(_mm256_min_ps(x.lo, _mm256_set1_ps(88.f)), _mm256_min_ps(x.hi, _mm256_set1_ps(88.f)));
+    return v16_pair(_mm256_min_ps(_mm256_set1_ps(88.f), x.lo), _mm256_min_ps(_mm256_set1_ps(88.f), x.hi));
 }
 
 static inline __m256 round8_bf16(__m256 v) {
