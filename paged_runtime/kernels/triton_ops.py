@@ -1,7 +1,8 @@
 """The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv``, ``triton_paged_attention`` and the
 fused layer ops of ``TritonOps`` (``triton_rms_norm``, ``triton_add_rms_norm``, ``triton_rope_``,
-``triton_silu_mul``; ``kernels/fused.py``), and LoRA's shrink and expand, ``triton_lora_delta``
-(``kernels/lora.py``).
+``triton_silu_mul``; ``kernels/fused.py``), LoRA's shrink and expand, ``triton_lora_delta``
+(``kernels/lora.py``), and the weight-only quantized GEMMs ``triton_w8a16_linear`` / ``triton_w4a16_linear``
+(``kernels/quant_gemm.py``).
 
 Defining the ops imports no Triton: each implementation imports its kernel module
 on first call (see ``paged_runtime.kernels`` for why). They are registered for
@@ -24,6 +25,8 @@ LIB.define("triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float 
 LIB.define("triton_rope_(Tensor(a!) qkv, int num_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin) -> ()")
 LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
 LIB.define("triton_lora_delta(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, int[] slices) -> ()")
+LIB.define("triton_w8a16_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor")
+LIB.define("triton_w4a16_linear(Tensor x, Tensor qweight, Tensor scales_and_zeros) -> Tensor")
 
 
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -69,6 +72,16 @@ def _lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     lora_delta(y, x, a, b, row_slots, slices)
 
 
+def _w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from paged_runtime.kernels.quant_gemm import w8a16_linear
+    return w8a16_linear(x, qweight, scale)
+
+
+def _w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    from paged_runtime.kernels.quant_gemm import w4a16_linear
+    return w4a16_linear(x, qweight, scales_and_zeros)
+
+
 LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
 LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping, kv_scale=None: None,
@@ -77,7 +90,8 @@ torch.library.register_fake("paged_runtime::triton_paged_attention",
                             lambda q, *args: torch.empty_like(q), lib=LIB)
 
 for _name, _impl in (("triton_rms_norm", _rms_norm), ("triton_add_rms_norm", _add_rms_norm),
-                     ("triton_rope_", _rope), ("triton_silu_mul", _silu_mul), ("triton_lora_delta", _lora_delta)):
+                     ("triton_rope_", _rope), ("triton_silu_mul", _silu_mul), ("triton_lora_delta", _lora_delta),
+                     ("triton_w8a16_linear", _w8a16_linear), ("triton_w4a16_linear", _w4a16_linear)):
     LIB.impl(_name, _impl, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=LIB)
 torch.library.register_fake("paged_runtime::triton_add_rms_norm",
@@ -86,6 +100,9 @@ torch.library.register_fake("paged_runtime::triton_rope_", lambda qkv, *args: No
 torch.library.register_fake("paged_runtime::triton_silu_mul",
                             lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2), lib=LIB)
 torch.library.register_fake("paged_runtime::triton_lora_delta", lambda y, *args: None, lib=LIB)
+for _name in ("triton_w8a16_linear", "triton_w4a16_linear"):
+    torch.library.register_fake(f"paged_runtime::{_name}",
+                                lambda x, qweight, _: x.new_empty(x.shape[0], qweight.shape[0]), lib=LIB)
 
 store_kv = torch.ops.paged_runtime.triton_store_kv
 paged_attention = torch.ops.paged_runtime.triton_paged_attention
@@ -94,6 +111,8 @@ add_rms_norm = torch.ops.paged_runtime.triton_add_rms_norm
 rope_ = torch.ops.paged_runtime.triton_rope_
 silu_mul = torch.ops.paged_runtime.triton_silu_mul
 lora_delta = torch.ops.paged_runtime.triton_lora_delta
+w8a16_linear = torch.ops.paged_runtime.triton_w8a16_linear
+w4a16_linear = torch.ops.paged_runtime.triton_w4a16_linear
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:

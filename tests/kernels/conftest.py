@@ -19,7 +19,7 @@ import torch
 from paged_runtime.kernels import triton_available
 
 KERNEL_MODULES = ("paged_runtime.kernels.store_kv", "paged_runtime.kernels.attention", "paged_runtime.kernels.fused",
-                  "paged_runtime.kernels.lora")
+                  "paged_runtime.kernels.lora", "paged_runtime.kernels.quant_gemm")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = DEVICE.type == "cpu"
 
