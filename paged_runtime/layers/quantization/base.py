@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_runtime.kernels import triton_available
 from paged_runtime.layers.linear import LinearBase, LinearMethod, empty_parameter
 
 
@@ -26,6 +27,12 @@ class WeightOnlyMethod(LinearMethod):
     def quantize(self, layer: LinearBase, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The buffers that replace ``weight`` (may set plain attributes on ``layer``, e.g. the kernel choice)."""
         raise NotImplementedError
+
+    @staticmethod
+    def triton_applies(x: torch.Tensor) -> bool:
+        """On CUDA the Triton GEMMs (``kernels/quant_gemm.py``) multiply from the quantized tiles; elsewhere the
+        weight is dequantized for ``F.linear``."""
+        return x.is_cuda and triton_available()
 
     def kernel_applies(self, weight: torch.Tensor) -> bool:
         # torch's weight-only CPU kernels vectorise bfloat16 only; their float32 loops are scalar (measured
