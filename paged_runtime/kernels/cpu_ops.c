@@ -1065,6 +1065,38 @@ static inline V16 kv_scale16(const Paged *P, int64_t slot, int kv, int64_t g, in
     return v16_set1(rnd(P->kv_scale[(slot * 2 + kv) * P->kv_heads + g], dt));
 }
 
+/* row[t] = exp(row[t] - max(row)) for t < len; returns their sum. */
+static float softmax_unnormalized(float *row, int64_t len) {
+#ifdef __AVX512F__
+    __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+        m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, row + t));
+    }
+    m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 mask = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), m));
+        _mm512_mask_storeu_ps(row + t, mask, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    }
+    return _mm512_reduce_add_ps(total);
+#else
+    int64_t whole = len / 16 * 16;
+    V16 m = v16_set1(-INFINITY), total = v16_zero();
+    for (int64_t t = 0; t < whole; t += 16) m = v16_max(v16_loadf(row + t), m);
+    float top = v16_hmax(m), sum = 0.f;
+    for (int64_t t = whole; t < len; t++) top = row[t] > top ? row[t] : top;
+    for (int64_t t = 0; t < whole; t += 16) {
+        V16 e = exp16(v16_sub(v16_loadf(row + t), v16_set1(top)));
+        v16_storef(row + t, e);
+        total = v16_add(total, e);
+    }
+    for (int64_t t = whole; t < len; t++) row[t] = expf(row[t] - top), sum += row[t];
+    return v16_sum(total) + sum;
+#endif
+}
+
 #define KV_RUN 16 /* tokens attend_group_impl reads a key and value run of: a block of the default size */
 #define KV_AHEAD_BYTES (24 << 10) /* how far ahead attention prefetches, in bytes of the slots it reads: at 128
                                      rows x 512 tokens, 16 tokens of a float32 cache (24 KB) ran 1.15x 48's, 32-48 of a
@@ -1084,14 +1116,15 @@ static inline __attribute__((always_inline)) void prefetch_slot(const void *kv_c
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + row_bytes + line, _MM_HINT_T1);
 }
 
-/* The query heads of KV heads g0 .. g0 + gn - 1, for row b, in one pass over the row's cache: KV_RUN tokens'
- * keys, then the same tokens' values, so a run's slots are read while they are in L1 and, with gn = kv_heads,
- * each slot whole (every KV head's key and value: a block is one contiguous read, which the prefetchers
- * follow; passes per KV head read 1/kv_heads of each slot, and with scattered blocks the prefetchers lost
- * them). Softmax online over runs: each head keeps its running max and sum, and its accumulated values are
- * rescaled when the max grows. Each key and value is loaded and widened once for the query heads that share
- * it. Scratch: 2 * gn * G * dim floats. Inlined per constant (chunks, dt) so the widened row stays in
- * registers: 15-20% faster than a runtime chunk count at batch 1-64 here. */
+/* The query heads of KV heads g0 .. g0 + gn - 1, for row b: a pass over the row's keys for every head's scores,
+ * an exact softmax, then a pass over its values, each walking the row's slots in runs of KV_RUN tokens and
+ * prefetching ahead. With gn = kv_heads each slot is read whole (every KV head's key, then value): passes per KV
+ * head read 1/kv_heads of each slot, and with scattered blocks the prefetchers lost them. Each key and value is
+ * loaded and widened once for the query heads that share it; a head's sums stay in registers over a run. The
+ * arithmetic per head is the same whatever gn is, and the same as a token-by-token two-pass loop: the default
+ * model's near-tie answers (its int8-quantized activations turn 1e-7 of attention rounding into 0.1 nats of a
+ * logit, measured) stay as they were. Scratch: gn * G * (2 * dim + len) floats. Inlined per constant (chunks,
+ * dt) so the widened row stays in registers: 15-20% faster than a runtime chunk count at batch 1-64 here. */
 static inline __attribute__((always_inline)) void attend_group_impl(
     const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g0, int64_t gn,
     float *scratch, void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
@@ -1101,15 +1134,13 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     int64_t row_bytes = P->kv_heads * dim * elem;
     const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
     V16 scale = v16_set1(1.f), kv[MAX_CHUNKS];
-    float *qf = scratch, *acc = qf + n * dim, top[MAX_GROUP], sums[MAX_GROUP], rescale[MAX_GROUP];
-    float p[MAX_GROUP][KV_RUN] __attribute__((aligned(64))); /* a run's scores, then their exp */
+    float *qf = scratch, *acc = qf + n * dim, *scores = acc + n * dim, sums[MAX_GROUP];
     for (int64_t i = 0; i < n * dim; i++) qf[i] = load(q, b * q_stride + g0 * G * dim + i, dt) * P->scale, acc[i] = 0.f;
-    for (int64_t j = 0; j < n; j++) top[j] = -INFINITY, sums[j] = 0.f;
-    int64_t slots[KV_RUN];
-    int64_t distance = KV_AHEAD_BYTES / (2 * gn * dim * elem) + 1; /* tokens */
-    SlotWalk walk = walk_from(P, P->block_tables + b * P->table_stride, first), ahead = walk;
+    int64_t slots[KV_RUN], distance = KV_AHEAD_BYTES / (2 * gn * dim * elem) + 1; /* tokens */
+    const int64_t *table = P->block_tables + b * P->table_stride;
+    SlotWalk walk = walk_from(P, table, first), ahead = walk;
     for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
-    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) {
+    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) { /* keys */
         int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
         for (int64_t t = 0; t < tn; t++) slots[t] = next_slot(&walk);
         for (int64_t t = 0; t < tn; t++) {
@@ -1122,27 +1153,29 @@ static inline __attribute__((always_inline)) void attend_group_impl(
                 for (int64_t j = gi * G; j < (gi + 1) * G; j++) {
                     V16 s = v16_mul(v16_loadf(qf + j * dim), kv[0]);
                     for (int64_t c = 1; c < chunks; c++) s = v16_fmadd(v16_loadf(qf + j * dim + c * 16), kv[c], s);
-                    p[j][t] = cap(P, v16_sum(s));
+                    scores[j * len + t0 + t] = cap(P, v16_sum(s));
                 }
             }
         }
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t t = tn; t < KV_RUN; t++) p[j][t] = -INFINITY;
-            float was = top[j];
-            top[j] = fmaxf(was, v16_hmax(v16_loadf(p[j])));
-            rescale[j] = top[j] > was ? expf(was - top[j]) : 1.f; /* 0 on the first run: was is -inf */
-            v16_storef(p[j], exp16(v16_sub(v16_loadf(p[j]), v16_set1(top[j]))));
-            for (int64_t t = tn; t < KV_RUN; t++) p[j][t] = 0.f; /* exp16 floors at exp(-87.3), not 0 */
-            sums[j] = sums[j] * rescale[j] + v16_sum(v16_loadf(p[j]));
+    }
+    for (int64_t j = 0; j < n; j++) sums[j] = softmax_unnormalized(scores + j * len, len);
+    walk = walk_from(P, table, first), ahead = walk;
+    for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
+    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) { /* values */
+        int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
+        for (int64_t t = 0; t < tn; t++) {
+            slots[t] = next_slot(&walk);
+            if (t0 + t + distance < len) /* the keys' pass fetched them; a long row's may have left L2 since */
+                prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, g0 * dim * elem, gn * dim * elem);
         }
-        for (int64_t j = 0; j < n; j++) { /* a head's sums stay in registers over the run (its values are in L1) */
+        for (int64_t j = 0; j < n; j++) {
             int64_t g = g0 + j / G;
-            V16 a[MAX_CHUNKS], r = v16_set1(rescale[j]);
-            for (int64_t c = 0; c < chunks; c++) a[c] = v16_mul(v16_loadf(acc + j * dim + c * 16), r);
+            V16 a[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; c++) a[c] = v16_loadf(acc + j * dim + c * 16);
             for (int64_t t = 0; t < tn; t++) {
                 const char *value = (const char *)kv_cache + (slots[t] * 2 + 1) * row_bytes + g * dim * elem;
                 if (scaled) scale = kv_scale16(P, slots[t], 1, g, dt);
-                V16 w = v16_set1(p[j][t]);
+                V16 w = v16_set1(scores[j * len + t0 + t]);
                 for (int64_t c = 0; c < chunks; c++) a[c] = v16_fmadd(w, kv_load16(value, c * 16, kv_dt, scale, dt), a[c]);
             }
             for (int64_t c = 0; c < chunks; c++) v16_storef(acc + j * dim + c * 16, a[c]);
@@ -1178,10 +1211,10 @@ static void attend_group(const Paged *P, const void *q, int64_t q_stride, const 
 }
 #endif
 
-/* Floats of per-thread scratch that attention needs for contexts up to max_len: attend_group's for all heads,
- * attend_head's (scores, its query, sums and a dequantized row of an 8-bit cache). */
+/* Floats of per-thread scratch that attention needs for contexts up to max_len: attend_group's for all heads
+ * (queries, sums, scores), attend_head's (scores, its query, sums and a dequantized row of an 8-bit cache). */
 static int64_t attention_scratch(const Paged *P, int64_t max_len) {
-    int64_t group = 2 * P->heads * P->dim, head = max_len + 3 * P->dim;
+    int64_t group = P->heads * (2 * P->dim + max_len), head = max_len + 3 * P->dim;
     return ((group > head ? group : head) + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
 }
 
