@@ -1098,15 +1098,16 @@ static float softmax_unnormalized(float *row, int64_t len) {
 }
 
 #define KV_RUN 16 /* tokens attend_group_impl reads a key and value run of: a block of the default size */
-#define KV_AHEAD_BYTES (24 << 10) /* how far ahead attention prefetches, in bytes of the slots it reads: at 128
+#define KV_AHEAD_BYTES (24 << 10) /* how far ahead attention prefetches, in bytes of the slots it reads (tuned on
+                                     the online-softmax version of this loop, same reads): at 128
                                      rows x 512 tokens, 16 tokens of a float32 cache (24 KB) ran 1.15x 48's, 32-48 of a
                                      bfloat16 one (24-36 KB) 1.1-1.2x 16's, and 48 of one head's float32 rows (24 KB) at
                                      4 rows 1.25x 16's */
 
 /* Into L2, the cache lines of a slot's keys and values from byte `from` of each, `bytes` long: attention asks
  * for the slot KV_AHEAD_BYTES on while it computes this one. Blocks are scattered, so the hardware prefetchers
- * lose the stream at each one, and the loop waited on memory: at 128 rows x 512 tokens (bfloat16 cache, 30
- * layers' caches in turn, 2-core Zen 4) 7.5 -> 2.9-3.5 ms a layer. L2, not L1: fetched into L1 (32 KB) the
+ * lose the stream at each one, and the loop waited on memory: at 128 rows x 512 tokens (float32 cache, 30
+ * layers' caches in turn, 2-core Zen 4) 9.6 -> 4.7 ms a layer with whole rows. L2, not L1: fetched into L1 (32 KB) the
  * slots ahead evicted this run's values before they were read (no gain then). Inlined: a call in the token
  * loop spilled the vector registers and lost the gain. */
 static inline __attribute__((always_inline)) void prefetch_slot(const void *kv_cache, int64_t slot,
