@@ -96,6 +96,7 @@ _SIGNATURES = {
     "pr_silu_mul": ([_ptr, _ptr, _i64, _i64, _int], None),
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                                    _f32, _ptr, _int, _int, _ptr], _int),
+    "pr_attention_tile_rows": ([_int], None),
     "pr_decode_layers": ([_ptr, _i64, _ptr, _ptr, _ptr, _int], _int),
     "pr_lora_delta": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int], _int),
     "pr_gguf_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int], _int),
@@ -704,6 +705,12 @@ def gguf_has_vector_paths() -> bool:
 def gguf_force_scalar(on: bool) -> None:
     """Run the GGUF kernels' scalar paths even where the vector ones exist (for tests), or stop doing so."""
     _lib().pr_gguf_force_scalar(int(on))
+
+
+def attention_tile_rows(n: int) -> None:
+    """Attend up to n (1-8) rows of one sequence together from now on (8, the default: a prompt chunk's rows
+    read each key and value once per tile; 1: every row alone, as benchmarks compare). Same bits either way."""
+    _lib().pr_attention_tile_rows(n)
 
 
 _gguf_row_bytes = functools.lru_cache(maxsize=256)(gguf_types.row_bytes)  # a few us a call saved

@@ -87,7 +87,14 @@ static inline V16 v16_div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
 static inline V16 v16_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 static inline V16 v16_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b */
-static inline float v16_sum(V16 v) { return _mm512_reduce_add_ps(v); }
+/* Lane l plus lane l + 8, then + 4, + 2, + 1 (GCC's _mm512_reduce_add_ps, written out so no compiler changes
+ * it): the AVX2 build's tree too, which scores16 mirrors across lanes. */
+static inline float v16_sum(V16 v) {
+    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
 static inline float v16_hmax(V16 v) { return _mm512_reduce_max_ps(v); }
 
 static inline V16 load16(const void *p, int64_t i, int dt) {
@@ -1014,6 +1021,9 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
     }
 }
 
+#define TILE_ROWS 8 /* query rows of one sequence that attend_tile_impl reads a KV head's keys and values once for */
+static int attention_tile_rows = TILE_ROWS; /* pr_attention_tile_rows: 1 attends every row alone */
+
 #ifdef VEC16
 /* 8-bit cache values as fp32 (AVX2 and F16C, which every VEC16 CPU has). */
 static inline __m256 int8x8_to_f32(const int8_t *p) {
@@ -1191,24 +1201,168 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         }
 }
 
-static void attend_group(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
-                         int64_t g, int64_t gn, float *scratch, void *out, float *xf, int dt) {
-    int64_t chunks = P->dim / 16;
-    /* constant (chunks, dt, cache kind) for the common head sizes: the widened rows stay in registers (an
-     * fp8 cache read through the runtime-chunk loop made a decode step at 512 tokens 1.37x bf16's; 0.99x so) */
-#define ATTEND(chunks_, dt_, kv_dt_) attend_group_impl(P, q, q_stride, kv_cache, b, g, gn, scratch, out, xf, chunks_, dt_, kv_dt_)
+/* ATTEND(chunks, dt, kv_dt) with constants for the common head sizes and each cache kind: the widened rows stay
+ * in registers (an fp8 cache read through the runtime-chunk loop made a decode step at 512 tokens 1.37x bf16's;
+ * 0.99x so). Needs chunks, dt and P in scope. */
 #define ATTEND_KV(kv_dt_)                                                                                     \
     if (dt == BF16 && chunks == 4) ATTEND(4, BF16, kv_dt_);                                                   \
     else if (dt == BF16 && chunks == 8) ATTEND(8, BF16, kv_dt_);                                              \
     else if (chunks == 4) ATTEND(4, F32, kv_dt_);                                                             \
     else if (chunks == 8) ATTEND(8, F32, kv_dt_);                                                             \
     else ATTEND(chunks, dt, kv_dt_);
-    if (P->kv_dt == KV_FP8) { ATTEND_KV(KV_FP8) }
-    else if (P->kv_dt == KV_INT8) { ATTEND_KV(KV_INT8) }
-    else if (P->kv_dt == KV_BF16) { ATTEND_KV(KV_BF16) }
+#define ATTEND_VARIANTS                                                                                       \
+    if (P->kv_dt == KV_FP8) { ATTEND_KV(KV_FP8) }                                                             \
+    else if (P->kv_dt == KV_INT8) { ATTEND_KV(KV_INT8) }                                                      \
+    else if (P->kv_dt == KV_BF16) { ATTEND_KV(KV_BF16) }                                                      \
     else { ATTEND_KV(KV_MODEL) }
-#undef ATTEND_KV
+
+static void attend_group(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
+                         int64_t g, int64_t gn, float *scratch, void *out, float *xf, int dt) {
+    int64_t chunks = P->dim / 16;
+#define ATTEND(chunks_, dt_, kv_dt_) attend_group_impl(P, q, q_stride, kv_cache, b, g, gn, scratch, out, xf, chunks_, dt_, kv_dt_)
+    ATTEND_VARIANTS
 #undef ATTEND
+}
+
+
+/* Lane t: query qv's score against key t of the 16 whose transpose is kt (kt[d * 16 + t]: element d of key t),
+ * bit for bit what attend_group_impl computes for that key: the same lane products, chained over the chunks in
+ * the same order, summed across lanes in v16_sum's tree (lane l plus lane l + 8, then + 4, + 2, + 1: both
+ * builds' v16_sum add so). So a tile's rows get the same scores, and outputs, as each row alone, and no
+ * horizontal sum is left per score. */
+static inline __attribute__((always_inline)) V16 scores16(const float *qv, const float *kt, const int64_t chunks) {
+    V16 quarter[4]; /* quarter a: lanes a, a + 4, a + 8, a + 12 */
+    for (int a = 0; a < 4; a++) {
+        V16 p[4];
+        for (int e = 0; e < 4; e++) {
+            int64_t l = a + 4 * e;
+            p[e] = v16_mul(v16_set1(qv[l]), v16_loadf(kt + l * 16));
+            for (int64_t c = 1; c < chunks; c++)
+                p[e] = v16_fmadd(v16_set1(qv[c * 16 + l]), v16_loadf(kt + (c * 16 + l) * 16), p[e]);
+        }
+        quarter[a] = v16_add(v16_add(p[0], p[2]), v16_add(p[1], p[3])); /* (l + l+8) + (l+4 + l+12) */
+    }
+    return v16_add(v16_add(quarter[0], quarter[2]), v16_add(quarter[1], quarter[3]));
+}
+
+/* The query heads of KV head g for rows b0 .. b0 + nq - 1, which read the same slots (tile_rows): each run of
+ * KV_RUN keys is loaded, transposed and scored against every row's queries at once, then each row's exact
+ * softmax over its own context, then each value run is read once for all of them. Each row's arithmetic is
+ * attend_group_impl's (scores16), so a prompt chunk's rows give the bits they give one at a time. Scratch:
+ * nq * G * (2 * dim + span) + 16 * dim floats, span the tokens from the tile's first key to its last. */
+static inline __attribute__((always_inline)) void attend_tile_impl(
+    const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b0, int64_t nq, int64_t g,
+    float *scratch, void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
+    int64_t G = P->heads / P->kv_heads, dim = chunks * 16, n = nq * G, firsts[TILE_ROWS], ends[TILE_ROWS];
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t r = 0; r < nq; r++) {
+        firsts[r] = first_key(P, b0 + r), ends[r] = P->context_lens[b0 + r];
+        lo = firsts[r] < lo ? firsts[r] : lo, hi = ends[r] > hi ? ends[r] : hi;
+    }
+    int64_t span = hi - lo, elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+    int64_t row_bytes = P->kv_heads * dim * elem, head_at = g * dim * elem;
+    const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
+    V16 scale = v16_set1(1.f);
+    float *qf = scratch, *acc = qf + n * dim, *kt = acc + n * dim, *scores = kt + 16 * dim, sums[TILE_ROWS * MAX_GROUP];
+    for (int64_t j = 0; j < n; j++) /* j = r * G + head in the group */
+        for (int64_t i = 0; i < dim; i++)
+            qf[j * dim + i] = load(q, (b0 + j / G) * q_stride + (g * G + j % G) * dim + i, dt) * P->scale, acc[j * dim + i] = 0.f;
+    int64_t slots[KV_RUN], distance = KV_AHEAD_BYTES / (2 * dim * elem) + 1;
+    const int64_t *table = P->block_tables + b0 * P->table_stride;
+    SlotWalk walk = walk_from(P, table, lo), ahead = walk;
+    for (int64_t t = 0; t < distance && t < span; t++) next_slot(&ahead);
+    for (int64_t t0 = 0; t0 < span; t0 += KV_RUN) { /* keys: t counts from lo */
+        int64_t tn = span - t0 < KV_RUN ? span - t0 : KV_RUN;
+        V16 m[16];
+        for (int64_t t = 0; t < tn; t++) {
+            slots[t] = next_slot(&walk);
+            if (t0 + t + distance < span) prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, head_at, dim * elem);
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t t = 0; t < 16; t++) {
+                if (t >= tn) { m[t] = v16_zero(); continue; }
+                if (scaled) scale = kv_scale16(P, slots[t], 0, g, dt);
+                m[t] = kv_load16((const char *)kv_cache + slots[t] * 2 * row_bytes + head_at, c * 16, kv_dt, scale, dt);
+            }
+            V16 tr[16];
+            v16_transpose16(m, tr);
+            for (int64_t l = 0; l < 16; l++) v16_storef(kt + (c * 16 + l) * 16, tr[l]);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t r = j / G, from = firsts[r] - lo, to = ends[r] - lo; /* row r's keys: [from, to) */
+            int64_t a = t0 > from ? t0 : from, e = t0 + tn < to ? t0 + tn : to;
+            if (a >= e) continue;
+            V16 s = scores16(qf + j * dim, kt, chunks);
+            if (e - a == KV_RUN && P->softcap <= 0.f) { /* the whole run is row r's */
+                v16_storef(scores + j * span + t0 - from, s);
+                continue;
+            }
+            float lanes[16];
+            v16_storef(lanes, s);
+            for (int64_t t = a; t < e; t++) scores[j * span + t - from] = cap(P, lanes[t - t0]);
+        }
+    }
+    for (int64_t j = 0; j < n; j++)
+        sums[j] = softmax_unnormalized(scores + j * span, ends[j / G] - firsts[j / G]);
+    walk = walk_from(P, table, lo), ahead = walk;
+    for (int64_t t = 0; t < distance && t < span; t++) next_slot(&ahead);
+    for (int64_t t0 = 0; t0 < span; t0 += KV_RUN) { /* values */
+        int64_t tn = span - t0 < KV_RUN ? span - t0 : KV_RUN;
+        const char *values[KV_RUN];
+        V16 value_scales[KV_RUN];
+        for (int64_t t = 0; t < tn; t++) {
+            slots[t] = next_slot(&walk);
+            values[t] = (const char *)kv_cache + (slots[t] * 2 + 1) * row_bytes + head_at;
+            if (scaled) value_scales[t] = kv_scale16(P, slots[t], 1, g, dt);
+            if (t0 + t + distance < span) prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, head_at, dim * elem);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t r = j / G, from = firsts[r] - lo, to = ends[r] - lo;
+            int64_t a = t0 > from ? t0 : from, e = t0 + tn < to ? t0 + tn : to;
+            if (a >= e) continue;
+            const float *row = scores + j * span; /* token lo + t at t - from */
+            V16 av[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; c++) av[c] = v16_loadf(acc + j * dim + c * 16);
+            for (int64_t t = a; t < e; t++) {
+                const char *value = values[t - t0];
+                if (scaled) scale = value_scales[t - t0];
+                V16 w = v16_set1(row[t - from]);
+                for (int64_t c = 0; c < chunks; c++) av[c] = v16_fmadd(w, kv_load16(value, c * 16, kv_dt, scale, dt), av[c]);
+            }
+            for (int64_t c = 0; c < chunks; c++) v16_storef(acc + j * dim + c * 16, av[c]);
+        }
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < dim; i++) {
+            int64_t at = ((b0 + j / G) * P->heads + g * G + j % G) * dim + i;
+            float v = rnd(acc[j * dim + i] / sums[j], dt);
+            if (out) store(out, at, v, dt);
+            if (xf) xf[at] = v;
+        }
+}
+
+static void attend_tile(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b0,
+                        int64_t nq, int64_t g, float *scratch, void *out, float *xf, int dt) {
+    int64_t chunks = P->dim / 16;
+#define ATTEND(chunks_, dt_, kv_dt_) attend_tile_impl(P, q, q_stride, kv_cache, b0, nq, g, scratch, out, xf, chunks_, dt_, kv_dt_)
+    ATTEND_VARIANTS
+#undef ATTEND
+}
+#undef ATTEND_VARIANTS
+#undef ATTEND_KV
+
+/* The rows from b on (at most TILE_ROWS, 1 at least) that read the same slots: each one's block table agrees
+ * with row b's over the blocks the longest of them reads. A prompt chunk's rows (one request's tokens) and a
+ * verification's do; rows of different requests differ at their first block, or where a shared prefix ends. */
+static int64_t tile_rows(const Paged *P, int64_t b, int64_t B) {
+    int64_t n = 1, longest = P->context_lens[b];
+    const int64_t *table = P->block_tables + b * P->table_stride;
+    for (; n < attention_tile_rows && b + n < B; n++) {
+        longest = P->context_lens[b + n] > longest ? P->context_lens[b + n] : longest;
+        int64_t blocks = (longest + P->block_size - 1) / P->block_size;
+        if (memcmp(table, P->block_tables + (b + n) * P->table_stride, blocks * sizeof(int64_t))) break;
+    }
+    return n;
 }
 #endif
 
@@ -1216,8 +1370,13 @@ static void attend_group(const Paged *P, const void *q, int64_t q_stride, const 
  * (queries, sums, scores), attend_head's (scores, its query, sums and a dequantized row of an 8-bit cache). */
 static int64_t attention_scratch(const Paged *P, int64_t max_len) {
     int64_t group = P->heads * (2 * P->dim + max_len), head = max_len + 3 * P->dim;
-    return ((group > head ? group : head) + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
+    int64_t tile = TILE_ROWS * (P->heads / P->kv_heads) * (2 * P->dim + max_len) + 16 * P->dim;
+    int64_t most = group > head ? group : head;
+    return ((tile > most ? tile : most) + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
 }
+
+/* A row's cost in attention items: its keys read plus a fixed part. */
+static inline int64_t row_cost(const Paged *P, int64_t b) { return P->context_lens[b] - first_key(P, b) + 16; }
 
 /* The calling thread's [begin, end) of B rows' n = B * per_row attention items (item i is row i / per_row's):
  * contiguous runs of about equal cost, a row's cost its keys read plus a fixed part. Rows' contexts differ
@@ -1225,10 +1384,10 @@ static int64_t attention_scratch(const Paged *P, int64_t max_len) {
  * 128-request run's time went to OpenMP waits). Every thread computes the same split. */
 static void attention_range(const Paged *P, int64_t B, int64_t per_row, int64_t *begin, int64_t *end) {
     int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), total = 0, sum = 0;
-    for (int64_t b = 0; b < B; b++) total += P->context_lens[b] - first_key(P, b) + 16;
+    for (int64_t b = 0; b < B; b++) total += row_cost(P, b);
     *begin = *end = B * per_row;
     for (int64_t b = 0; b < B; b++) {
-        int64_t cost = P->context_lens[b] - first_key(P, b) + 16;
+        int64_t cost = row_cost(P, b);
         for (int64_t i = 0; i < per_row; i++, sum += cost) { /* item b * per_row + i starts at cost sum */
             if (*begin == B * per_row && sum * T >= t * total * per_row) *begin = b * per_row + i;
             if (sum * T >= (t + 1) * total * per_row) {
@@ -1241,19 +1400,33 @@ static void attention_range(const Paged *P, int64_t B, int64_t per_row, int64_t 
 
 #define ROWS_PER_THREAD 4
 /* The calling thread's share of B rows' attention with the vector kernel (an 8-bit cache dequantized there 16
- * values at a time): whole rows, each slot read once, where there are ROWS_PER_THREAD rows a thread; else
- * (row, KV head) items, so a few rows still keep every thread busy. (row, query head) items with the scalar
- * kernel otherwise. */
+ * values at a time). Rows that read the same slots (a prompt chunk's) go in tiles of up to TILE_ROWS, one item
+ * per KV head; a row of its own is one item where there are ROWS_PER_THREAD rows a thread (each slot read once),
+ * else one per KV head, so a few rows still keep every thread busy. Items go to threads in contiguous runs of
+ * about equal cost (an item's cost its rows' row_cost), as attention_range splits rows. (row, query head) items
+ * with the scalar kernel otherwise. */
 static void attend_part(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t B,
                         float *scratch, void *out, float *xf, int dt) {
     int64_t begin, end;
 #ifdef VEC16
     if (P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
         int whole = B >= ROWS_PER_THREAD * omp_get_num_threads() && P->heads <= MAX_GROUP;
-        int64_t gn = whole ? P->kv_heads : 1, per_row = P->kv_heads / gn;
-        attention_range(P, B, per_row, &begin, &end);
-        for (int64_t item = begin; item < end; item++)
-            attend_group(P, q, q_stride, kv_cache, item / per_row, item % per_row * gn, gn, scratch, out, xf, dt);
+        int64_t gn = whole ? P->kv_heads : 1, t = omp_get_thread_num(), T = omp_get_num_threads(), total = 0, sum = 0;
+        for (int pass = 0; pass < 2; pass++)
+            for (int64_t b = 0, nq; b < B; b += nq) {
+                nq = tile_rows(P, b, B);
+                int64_t cost = 0, items = nq > 1 ? P->kv_heads : P->kv_heads / gn;
+                for (int64_t r = 0; r < nq; r++) cost += row_cost(P, b + r);
+                if (pass == 0) {
+                    total += cost * items;
+                    continue;
+                }
+                for (int64_t i = 0; i < items; i++, sum += cost) {
+                    if (sum * T < t * total || sum * T >= (t + 1) * total) continue; /* another thread's */
+                    if (nq > 1) attend_tile(P, q, q_stride, kv_cache, b, nq, i, scratch, out, xf, dt);
+                    else attend_group(P, q, q_stride, kv_cache, b, i * gn, gn, scratch, out, xf, dt);
+                }
+            }
         return;
     }
 #endif
@@ -1267,6 +1440,9 @@ static int64_t max_context(const int64_t *context_lens, int64_t B) {
     for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     return longest;
 }
+
+/* Rows per attention tile from now on, 1 to TILE_ROWS (benchmarks compare tiles with rows alone). */
+void pr_attention_tile_rows(int n) { attention_tile_rows = n < 1 ? 1 : n > TILE_ROWS ? TILE_ROWS : n; }
 
 /* One query token per row of q (rows q_stride elements apart, heads dim apart) over its paged context
  * (window > 0: its last `window` tokens, the blocks before them unread; softcap > 0: scores soft-capped);

@@ -158,6 +158,35 @@ def test_c_decode_attention_gives_whole_rows_the_bits_of_rows_by_kv_head(name, d
 
 
 @kernels
+@pytest.mark.parametrize("name,dtype,window,softcap",
+                         [pytest.param(name, dtype, 0, 0., id=f"{name}-{str(dtype)[6:]}") for name, dtype in
+                          [("auto", torch.float32), ("auto", torch.bfloat16), *[p.values for p in CONVERTED]]] +
+                         [pytest.param("auto", torch.float32, 20, 0., id="window"),
+                          pytest.param("auto", torch.float32, 0, 5., id="softcap")])
+def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_alone(name, dtype, window, softcap):
+    """Consecutive rows that read the same slots (a prompt chunk's tokens: 21 of one request, then 38 of
+    another, then 19 of a third that shares the second's first two blocks but not its third) are attended in
+    tiles of up to 8 rows that read each key and value once for all of them; each row's arithmetic is its own
+    alone, so one call gives the bits of a call per row. A tile that crossed into the third request (its block
+    table equal on the shared prefix) would give its rows the second one's keys."""
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 24
+    if name == "auto":
+        cache, scale = torch.randn(num_blocks * block_size, 2, kv_heads, dim).to(dtype), None
+    else:
+        cache, scale = filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=7)
+    g = torch.Generator().manual_seed(2)
+    first, second = torch.randperm(num_blocks, generator=g)[:12], torch.randperm(num_blocks, generator=g)[:12]
+    third = torch.cat([second[:2], first[2:]])  # shares the second's first two blocks
+    lens = torch.cat([torch.arange(1, 22), torch.arange(131, 169), torch.arange(36, 55)])
+    tables = torch.stack([first] * 21 + [second] * 38 + [third] * 19)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    attend = lambda rows: cpu.cpu_paged_decode_attention(q[rows], cache, tables[rows], lens[rows], block_size,  # noqa: E731
+                                                         0.125, window, softcap, kv_scale=scale)
+    alone = torch.cat([attend(slice(i, i + 1)) for i in range(len(lens))])
+    assert torch.equal(attend(slice(None)), alone)
+
+
+@kernels
 def test_c_kernel_refuses_an_8_bit_cache_without_its_scales():
     cache, _ = empty_cache("int8", 16, 1, 16)
     with pytest.raises(ValueError, match="needs its contiguous float32 kv_scale"):
