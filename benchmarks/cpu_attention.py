@@ -14,11 +14,23 @@ What it measures
     - the read floor: GB/s of ``torch.sum`` over 1 GiB on the same threads (what a stream can read).
     GB/s counts the KV bytes each call reads: batch x context x KV heads x dim x 2 x element size.
 
+    ``--prompts``: prompt chunks instead, one request's queries x its context (a whole prompt, or a chunk of
+    one after the tokens before it), float32 and bfloat16, the cache in the caches as a chunk's is (its step
+    just stored it). Three ways,
+    in the same run:
+    - ``tiles``: the kernel as the engine runs it, a chunk's rows in tiles of 8 that read each key and value
+      once for all of them;
+    - ``rows``: the same kernel attending each row alone (``attention_tile_rows(1)``): same bits, the before;
+    - ``sdpa``: the torch backend's path for a chunk, which the CPU backend took for chunks past 128 x 128
+      keys: SDPA (causal) over the prompt's own K/V, or over its context gathered from the paged cache.
+    GFLOP/s counts the causal products: 4 x dim x heads x the keys each query sees.
+
 How to run
     .venv/bin/python benchmarks/cpu_attention.py            # about a minute; a quiet machine
     .venv/bin/python benchmarks/cpu_attention.py --isa avx2  # the AVX2 build on an AVX-512 CPU
+    .venv/bin/python benchmarks/cpu_attention.py --prompts   # prompt chunks: a few minutes
 
-Writes benchmarks/results/cpu_attention[-<isa>]-cpu.json and .png.
+Writes benchmarks/results/cpu_attention[-prompts][-<isa>]-cpu.json and .png.
 """
 from __future__ import annotations
 
@@ -34,13 +46,15 @@ import torch.nn.functional as F
 if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
 from benchmarks.common import machine_info, others_busy_cores, result_path, write_results  # noqa: E402
 
+from paged_runtime.attention.torch_backend import _attend, causal_mask  # noqa: E402
 from paged_runtime.config import default_cache_dir  # noqa: E402
-from paged_runtime.kernels import cpu  # noqa: E402
+from paged_runtime.kernels import cpu, kv_quant  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 SHAPES = ((1, 512), (4, 512), (16, 512), (128, 512), (16, 2000))
 CACHES = {"f32 q, bf16 cache": (torch.float32, torch.bfloat16), "float32": (torch.float32, torch.float32),
           "bfloat16": (torch.bfloat16, torch.bfloat16)}
+PROMPTS = ((32, 32), (128, 128), (512, 512), (2048, 2048), (128, 1024), (256, 2048))  # queries x context
 STREAM_BYTES = 512 << 20  # copies cycled through: far more than the last-level cache
 
 
@@ -83,6 +97,64 @@ def case(batch: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, 
             "gb_s": kv_bytes / ours / 1e6, "sdpa_ms": sdpa, "sdpa_gb_s": kv_bytes / sdpa / 1e6, "vs_sdpa": sdpa / ours}
 
 
+def prompt_case(queries: int, context: int, dtype: torch.dtype, repeats: int, gen: torch.Generator) -> dict:
+    blocks = -(-context // BLOCK)
+    cache = torch.randn(blocks * BLOCK, 2, KV_HEADS, DIM, generator=gen).to(dtype)
+    table = torch.randperm(blocks, generator=gen)
+    tables, lens = table.expand(queries, -1), torch.arange(context - queries + 1, context + 1)
+    q = torch.randn(queries, HEADS, DIM, generator=gen).to(dtype)
+    slots = (table[:, None] * BLOCK + torch.arange(BLOCK)).view(-1)[:context]
+    kernel = lambda _: cpu.cpu_paged_decode_attention(q, cache, tables, lens, BLOCK, DIM ** -0.5)  # noqa: E731
+    if queries == context:  # a whole prompt: SDPA over its own K/V, as the engine passes them (no gather)
+        k, v = cache[slots, 0].contiguous(), cache[slots, 1].contiguous()
+        sdpa = lambda _: _attend(q, k, v, None, DIM ** -0.5)  # noqa: E731
+    else:  # a later chunk: its context gathered from the cache, a causal mask
+        mask = causal_mask(queries, context, q.device)
+        sdpa = lambda _: _attend(q, *kv_quant.gather(cache, None, slots, dtype).unbind(1), mask, DIM ** -0.5)  # noqa: E731
+    ms = {}
+    for way, tile_rows in (("tiles", 8), ("rows", 1)):
+        cpu.attention_tile_rows(tile_rows)
+        ms[way] = best_ms(kernel, [None], repeats)
+    cpu.attention_tile_rows(8)
+    ms["sdpa"] = best_ms(sdpa, [None], repeats)
+    flops = 4 * DIM * HEADS * int(lens.sum())
+    return {"queries": queries, "context": context, **{f"{w}_ms": t for w, t in ms.items()},
+            **{f"{w}_gflop_s": flops / t / 1e6 for w, t in ms.items()},
+            "tiles_vs_rows": ms["rows"] / ms["tiles"], "tiles_vs_sdpa": ms["sdpa"] / ms["tiles"]}
+
+
+def run_prompts(args, out) -> None:
+    busy_before, gen = others_busy_cores(), torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'dtype':10}{'queries x ctx':>15}{'tiles ms':>10}{'rows ms':>10}{'sdpa ms':>10}{'GFLOP/s':>9}"
+          f"{'vs rows':>9}{'vs sdpa':>9}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for queries, context in PROMPTS:
+            r = {"dtype": str(dtype)[6:], **prompt_case(queries, context, dtype, args.repeats, gen)}
+            rows.append(r)
+            print(f"{r['dtype']:10}{f'{queries}x{context}':>15}{r['tiles_ms']:10.3f}{r['rows_ms']:10.3f}"
+                  f"{r['sdpa_ms']:10.3f}{r['tiles_gflop_s']:9.1f}{r['tiles_vs_rows']:8.2f}x{r['tiles_vs_sdpa']:8.2f}x")
+    machine = machine_info()
+    result = {"machine": machine, "threads": args.threads, "isa": args.isa or "auto",
+              "others_busy_cores": (busy_before, others_busy_cores()), "load_average": os.getloadavg(), "rows": rows}
+    title = (f"CPU prompt attention, SmolLM2 shape, one request's chunk; {machine['cpu_model']}, "
+             f"{args.threads} threads, kernels {machine['cpu_kernels']['variants']['attention']}")
+    print(write_results(out, result, draw_prompts, rows, title, indent=1))
+
+
+def draw_prompts(plt, rows: list[dict], title: str):
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    x = range(len(rows))
+    for i, (way, label) in enumerate((("tiles", "kernel, tiles of 8 rows"), ("rows", "kernel, each row alone"),
+                                      ("sdpa", "torch SDPA (the chunk path before)"))):
+        ax.bar([j + (i - 1) * 0.27 for j in x], [r[f"{way}_gflop_s"] for r in rows], 0.27, label=label)
+    ax.set_xticks(list(x), [f"{r['dtype']}\n{r['queries']}x{r['context']}" for r in rows], fontsize=7)
+    ax.set_ylabel("GFLOP/s (causal products)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
 def draw(plt, rows: list[dict], floor: float, title: str):
     fig, ax = plt.subplots(figsize=(11, 4.5))
     labels = [f"{r['cache']}\n{r['batch']}x{r['context']}" for r in rows]
@@ -102,12 +174,15 @@ def main() -> None:
     parser.add_argument("--isa", default=None, help="--cpu-isa of the kernels (default: auto)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", action="store_true", help="prompt chunks: tiles, rows alone and SDPA")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu.load(default_cache_dir(), args.isa):
         sys.exit("the CPU kernels did not build (no C compiler?)")
-    out = args.out or result_path("cpu_attention", args.isa, device="cpu")
+    out = args.out or result_path("cpu_attention", "prompts" if args.prompts else None, args.isa, device="cpu")
+    if args.prompts:
+        return run_prompts(args, out)
     busy_before, gen = others_busy_cores(), torch.Generator().manual_seed(0)
     floor = read_floor_gb_s(args.repeats)
     rows = []

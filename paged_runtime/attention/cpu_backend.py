@@ -8,11 +8,13 @@ no padding, no mask, so consecutive such rows form one group. A sliding-window
 layer's rows read only their last W tokens (the kernel starts at the window's block:
 O(W) per row), a soft-capped layer's scores are capped in the kernel.
 
-A prompt chunk is small when its queries times its context are at most
-``SMALL_CHUNK`` (128 x 128): there the kernel beats PyTorch's SDPA, whose ~0.3 ms a
-call per chunk and layer dominated a prefill of many short prompts; past it SDPA's
-blocked products win (1.4x at 128 queries over 1,024 keys, 2.7x on a whole
-2,048-token prompt), so larger chunks run as in the torch backend.
+A prompt chunk goes to the kernel too when its queries times its context are at most
+``SMALL_CHUNK`` (128 x 128), where PyTorch's SDPA costs ~0.3 ms a call per chunk and layer,
+or when its context is at most ``TILED_CONTEXT`` (512) tokens: the kernel attends a chunk's
+rows in tiles of 8 that read each key and value once for all of them (each row's bits as
+alone), 1.1-1.4x SDPA there; past that SDPA's blocked products win (0.7-0.95x at 64-512
+queries over 1,024-2,048 keys; `benchmarks/cpu_attention.py --prompts`, 2-core Zen 3), so
+longer chunks run as in the torch backend.
 
 A step of rows only (no prompt chunk) is ``rows_only``: the runner's compiled decode
 step (``worker/cpu_decode_plan.py``) may then run every decoder layer in one call,
@@ -66,13 +68,14 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 SMALL_CHUNK = 128 * 128  # queries x context of a prompt chunk the kernel attends (see above)
+TILED_CONTEXT = 512  # the longest context of a prompt chunk the kernel attends whatever its queries
 
 
 def build_metadata(batch: StepBatch, device: torch.device) -> CpuAttentionMetadata:
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
     num_rows = batch.num_decodes + batch.num_verifies
     small = np.arange(batch.num_items) < num_rows
-    small |= batch.query_lens * batch.seq_lens <= SMALL_CHUNK
+    small |= (batch.query_lens * batch.seq_lens <= SMALL_CHUNK) | (batch.seq_lens <= TILED_CONTEXT)
     groups, chunks = [], []
     for first, end in _runs(small):  # consecutive items alike: one kernel group, or SDPA chunk by chunk
         if small[first]:
