@@ -1,4 +1,4 @@
-"""The GGUF block-quantized weight types the CPU kernels multiply by (``cpu_ops.c``, GGUF section).
+"""The GGUF block-quantized weight types the kernels multiply by (``cpu_ops.c``, GGUF section; ``quant_gemm.py``).
 
 Pure Python, no imports from the rest of the package: the kernels, the loader and the linear method all
 read the type table from here. Ids and block shapes are llama.cpp's (``ggml_type`` and

@@ -10,6 +10,11 @@ tile by tile, inside the product (no dequantized copy of the matrix, which CUDA 
   group of 128 (BLOCK_K divides it), so each tile dequantizes with one scale and zero per output row, in fp32,
   rounded to the activations' dtype for the dot as ``dequantize_int4`` rounds.
 
+- GGUF blocks (``layers/quantization/gguf.py``; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): the file's
+  bytes as they are, ``[N, row_bytes]`` uint8. Each tile element finds its block, its quant (nibble, high bits)
+  and its scales and mins, and computes ``gguf_blocks.dequantize``'s float32 value with its operations in its
+  order (no fused multiply-add: ``enable_fp_fusion=False``), rounded to the activations' dtype for the dot.
+
 Grid (M / BLOCK_M, N / BLOCK_N), a loop over K; fp32 accumulators; the output rounded once to x's dtype. float32
 dots are "ieee" (no TF32), so float32 agrees with the dequantize + ``F.linear`` reference to summation order.
 One tile shape for every M for now: the small-M (split-K, weight-streaming) and large-M tunings need a GPU to be
@@ -20,6 +25,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from paged_runtime.kernels.gguf_types import gguf_type
+from paged_runtime.kernels.gguf_types import row_bytes as gguf_row_bytes
 
 GROUP = 128  # int4's group of input features (int4.GROUP_SIZE)
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # tl.dot needs 16 on each side; BLOCK_K divides GROUP
@@ -69,6 +77,85 @@ def _w4a16_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, K, stride_x, stride_q, st
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _f16_at(p, mask):
+    """The little-endian float16 at byte p, as float32."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gguf_tile(q_ptr, cols, ks, mask, row_bytes, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """W[cols, ks].T as float32 [BLOCK_K, BLOCK_N], each weight gguf_blocks.dequantize's value."""
+    row = q_ptr + cols[None, :].to(tl.int64) * row_bytes
+    if QTYPE == 8:  # Q8_0: d, 32 int8
+        blk = row + (ks // 32 * BLOCK_BYTES)[:, None]
+        q = tl.load(blk + 2 + (ks % 32)[:, None], mask=mask, other=0).to(tl.int8, bitcast=True)
+        w = q.to(tl.float32) * _f16_at(blk, mask)
+    elif QTYPE <= 7:  # Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7): d[, m][, qh (4)], then 16 bytes of nibbles
+        j = (ks % 32)[:, None]
+        blk = row + (ks // 32 * BLOCK_BYTES)[:, None]
+        byte = tl.load(blk + BLOCK_BYTES - 16 + j % 16, mask=mask, other=0).to(tl.int32)
+        q = tl.where(j < 16, byte & 0xF, byte >> 4)
+        if QTYPE >= 6:  # the fifth bits: element j's is bit j of the 4 bytes before the nibbles
+            qh = tl.load(blk + BLOCK_BYTES - 20 + j // 8, mask=mask, other=0).to(tl.int32)
+            q = q | (((qh >> (j % 8)) & 1) << 4)
+        d = _f16_at(blk, mask)
+        if QTYPE % 2 == 1:  # Q4_1, Q5_1: a min
+            w = d * q.to(tl.float32) + _f16_at(blk + 2, mask)
+        elif QTYPE == 2:
+            w = d * (q - 8).to(tl.float32)
+        else:
+            w = d * (q - 16).to(tl.float32)
+    elif QTYPE == 14:  # Q6_K: ql (128), qh (64), 16 int8 scales, d
+        j = (ks % 256)[:, None]
+        blk = row + (ks // 256 * BLOCK_BYTES)[:, None]
+        half, i = j // 128, j % 128
+        low = tl.load(blk + 64 * half + i % 64, mask=mask, other=0).to(tl.int32)
+        low = tl.where(i < 64, low & 0xF, low >> 4)
+        high = (tl.load(blk + 128 + 32 * half + i % 32, mask=mask, other=0).to(tl.int32) >> (2 * (i // 32))) & 3
+        sc = tl.load(blk + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = (_f16_at(blk + 208, mask) * sc) * ((low | (high << 4)) - 32).to(tl.float32)
+    else:  # Q4_K (12), Q5_K (13): d, dmin, 12 bytes of 6-bit scales and mins[, qh (32)], then 128 bytes of nibbles
+        j = (ks % 256)[:, None]
+        blk = row + (ks // 256 * BLOCK_BYTES)[:, None]
+        sub = j // 32
+        byte = tl.load(blk + BLOCK_BYTES - 128 + 32 * (j // 64) + j % 32, mask=mask, other=0).to(tl.int32)
+        q = tl.where(sub % 2 == 0, byte & 0xF, byte >> 4)
+        if QTYPE == 13:
+            q = q | (((tl.load(blk + 16 + j % 32, mask=mask, other=0).to(tl.int32) >> sub) & 1) << 4)
+        # gguf_blocks._k_scales: sub-block s < 4 has its scale in byte 4 + s and its min in 8 + s (6 bits each);
+        # s >= 4 has them in the low / high nibble of byte 12 + s - 4, topped by the top two bits of 4 + s - 4 /
+        # 8 + s - 4. All three bytes are loaded for every s (each lies in the block) and tl.where picks.
+        lo4 = tl.load(blk + 4 + sub % 4, mask=mask, other=0).to(tl.int32)  # d: bytes 4-7
+        mid = tl.load(blk + 8 + sub % 4, mask=mask, other=0).to(tl.int32)  # m: bytes 8-11
+        top = tl.load(blk + 12 + sub % 4, mask=mask, other=0).to(tl.int32)  # md: bytes 12-15
+        sc = tl.where(sub < 4, lo4 & 0x3F, (top & 0x0F) | ((lo4 >> 2) & 0x30)).to(tl.float32)
+        mn = tl.where(sub < 4, mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)).to(tl.float32)
+        w = (_f16_at(blk, mask) * sc) * q.to(tl.float32) - _f16_at(blk + 2, mask) * mn
+    return w
+
+
+@triton.jit
+def _gguf_kernel(x_ptr, q_ptr, out_ptr, M, N, K, row_bytes, stride_x, stride_out, QTYPE: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.)
+        w = _gguf_tile(q_ptr, cols, ks, col_ok[None, :] & k_ok[:, None], row_bytes, QTYPE, BLOCK_BYTES)
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def _grid(m: int, n: int) -> tuple[int, int]:
     return triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
 
@@ -100,4 +187,20 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch
         _w4a16_kernel[_grid(m, n)](x, qweight, scales_and_zeros, out, m, n, padded, x.stride(0), qweight.stride(0),
                                    out.stride(0), scales_and_zeros.stride(0), DOT_PRECISION=_precision(x),
                                    GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [M, K] @ the GGUF weight's transpose -> [M, N] in x's dtype; raw: [N, row_bytes] uint8, the file's
+    blocks of ggml type id ``qtype`` (a served one: ``kernels.gguf_types``)."""
+    m, k = x.shape
+    n, row_bytes = raw.shape
+    t = gguf_type(qtype)
+    if row_bytes != gguf_row_bytes(t, k):
+        raise ValueError(f"{t.name} rows of {k} inputs take {gguf_row_bytes(t, k)} bytes, not {row_bytes}")
+    out = x.new_empty(m, n)
+    if m:
+        _gguf_kernel[_grid(m, n)](x, raw, out, m, n, k, row_bytes, x.stride(0), out.stride(0), QTYPE=t.id,
+                                  BLOCK_BYTES=t.block_bytes, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
     return out

@@ -1,8 +1,8 @@
 """The Triton kernels as ``paged_runtime::`` ops: ``triton_store_kv``, ``triton_paged_attention`` and the
 fused layer ops of ``TritonOps`` (``triton_rms_norm``, ``triton_add_rms_norm``, ``triton_rope_``,
 ``triton_silu_mul``; ``kernels/fused.py``), LoRA's shrink and expand, ``triton_lora_delta``
-(``kernels/lora.py``), and the weight-only quantized GEMMs ``triton_w8a16_linear`` / ``triton_w4a16_linear``
-(``kernels/quant_gemm.py``).
+(``kernels/lora.py``), and the weight-only quantized GEMMs ``triton_w8a16_linear`` / ``triton_w4a16_linear`` /
+``triton_gguf_linear`` (``kernels/quant_gemm.py``).
 
 Defining the ops imports no Triton: each implementation imports its kernel module
 on first call (see ``paged_runtime.kernels`` for why). They are registered for
@@ -27,6 +27,7 @@ LIB.define("triton_silu_mul(Tensor gate_up) -> Tensor")
 LIB.define("triton_lora_delta(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, int[] slices) -> ()")
 LIB.define("triton_w8a16_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor")
 LIB.define("triton_w4a16_linear(Tensor x, Tensor qweight, Tensor scales_and_zeros) -> Tensor")
+LIB.define("triton_gguf_linear(Tensor x, Tensor raw, int qtype) -> Tensor")
 
 
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -82,6 +83,11 @@ def _w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torc
     return w4a16_linear(x, qweight, scales_and_zeros)
 
 
+def _gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    from paged_runtime.kernels.quant_gemm import gguf_linear
+    return gguf_linear(x, raw, qtype)
+
+
 LIB.impl("triton_store_kv", _store_kv, "CompositeExplicitAutograd")
 LIB.impl("triton_paged_attention", _paged_attention, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_store_kv", lambda k, v, kv_cache, slot_mapping, kv_scale=None: None,
@@ -91,7 +97,8 @@ torch.library.register_fake("paged_runtime::triton_paged_attention",
 
 for _name, _impl in (("triton_rms_norm", _rms_norm), ("triton_add_rms_norm", _add_rms_norm),
                      ("triton_rope_", _rope), ("triton_silu_mul", _silu_mul), ("triton_lora_delta", _lora_delta),
-                     ("triton_w8a16_linear", _w8a16_linear), ("triton_w4a16_linear", _w4a16_linear)):
+                     ("triton_w8a16_linear", _w8a16_linear), ("triton_w4a16_linear", _w4a16_linear),
+                     ("triton_gguf_linear", _gguf_linear)):
     LIB.impl(_name, _impl, "CompositeExplicitAutograd")
 torch.library.register_fake("paged_runtime::triton_rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=LIB)
 torch.library.register_fake("paged_runtime::triton_add_rms_norm",
@@ -100,7 +107,7 @@ torch.library.register_fake("paged_runtime::triton_rope_", lambda qkv, *args: No
 torch.library.register_fake("paged_runtime::triton_silu_mul",
                             lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2), lib=LIB)
 torch.library.register_fake("paged_runtime::triton_lora_delta", lambda y, *args: None, lib=LIB)
-for _name in ("triton_w8a16_linear", "triton_w4a16_linear"):
+for _name in ("triton_w8a16_linear", "triton_w4a16_linear", "triton_gguf_linear"):
     torch.library.register_fake(f"paged_runtime::{_name}",
                                 lambda x, qweight, _: x.new_empty(x.shape[0], qweight.shape[0]), lib=LIB)
 
@@ -113,6 +120,7 @@ silu_mul = torch.ops.paged_runtime.triton_silu_mul
 lora_delta = torch.ops.paged_runtime.triton_lora_delta
 w8a16_linear = torch.ops.paged_runtime.triton_w8a16_linear
 w4a16_linear = torch.ops.paged_runtime.triton_w4a16_linear
+gguf_linear = torch.ops.paged_runtime.triton_gguf_linear
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:

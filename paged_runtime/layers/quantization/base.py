@@ -7,6 +7,12 @@ from paged_runtime.kernels import triton_available
 from paged_runtime.layers.linear import LinearBase, LinearMethod, empty_parameter
 
 
+def triton_applies(x: torch.Tensor) -> bool:
+    """On CUDA the Triton GEMMs (``kernels/quant_gemm.py``) multiply from the quantized tiles (int8, int4 and the
+    layouts stored as int4, GGUF blocks); elsewhere the weight is dequantized for ``F.linear``."""
+    return x.is_cuda and triton_available()
+
+
 class WeightOnlyMethod(LinearMethod):
     """Loads ``weight`` [output_size, input_size] in the model dtype, then ``quantize`` replaces it by buffers.
 
@@ -28,11 +34,6 @@ class WeightOnlyMethod(LinearMethod):
         """The buffers that replace ``weight`` (may set plain attributes on ``layer``, e.g. the kernel choice)."""
         raise NotImplementedError
 
-    @staticmethod
-    def triton_applies(x: torch.Tensor) -> bool:
-        """On CUDA the Triton GEMMs (``kernels/quant_gemm.py``) multiply from the quantized tiles; elsewhere the
-        weight is dequantized for ``F.linear``."""
-        return x.is_cuda and triton_available()
 
     def kernel_applies(self, weight: torch.Tensor) -> bool:
         # torch's weight-only CPU kernels vectorise bfloat16 only; their float32 loops are scalar (measured

@@ -8,8 +8,9 @@ segment when every part has the same type (one kernel call), else one per run of
 hold attn_v in Q6_K beside q and k in Q4_K), whose outputs are concatenated.
 
 Multiplying: on the CPU, the compiled kernels (``kernels.cpu`` ``cpu_gguf_linear``) read the blocks directly
-for every batch; without them (no compiler; CUDA) each segment is dequantized per call (the torch definition)
-and multiplied by ``F.linear``. No dequantized copy is kept: the memory stays the file's. Where the kernels
+for every batch; on CUDA, the Triton GEMM (``triton_gguf_linear``, ``kernels/quant_gemm.py``) reads them too,
+each weight dequantized in registers; elsewhere (no compiler, no Triton) each segment is dequantized per call
+(the torch definition) and multiplied by ``F.linear``. No dequantized copy is kept: the memory stays the file's. Where the kernels
 run, segments of whole 8-row groups (every type) are repacked at load (``gguf_pack_x8``: the same
 bytes, an output row per vector lane), which batches multiply 1.5-2.8x faster (Q4_1, 16-128 rows). A tied embedding and LM head
 share one repacked matrix (the embedding dequantizes the 8-row group of each id it looks up).
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_runtime.kernels import triton_ops
 from paged_runtime.layers.linear import LinearMethod
+from paged_runtime.layers.quantization.base import triton_applies
 from paged_runtime.layers.quantization.gguf_blocks import GgufType, dequantize, served_type
 
 # Every batch goes through the kernels, float32 too, where dequantize + GEMM
@@ -116,6 +119,8 @@ class GGUFLinearMethod(LinearMethod):
         k = x.shape[-1]
         if self._kernels_take(x):  # the kernels read the blocks for every batch size
             return self.kernels.cpu_gguf_linear(x.contiguous(), raw, None, kernel_id, k)
+        if triton_applies(x) and kernel_id == qtype.id:  # (blocks are repacked only where the CPU kernels run)
+            return triton_ops.gguf_linear(x.contiguous(), raw, qtype.id)
         return F.linear(x, self._dequantize(raw, qtype, kernel_id, k, x.dtype))
 
     def _kernels_take(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:

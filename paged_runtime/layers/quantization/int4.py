@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from paged_runtime.kernels import triton_ops
 from paged_runtime.layers.linear import LinearBase
-from paged_runtime.layers.quantization.base import WeightOnlyMethod, flat, with_bias
+from paged_runtime.layers.quantization.base import WeightOnlyMethod, flat, triton_applies, with_bias
 
 GROUP_SIZE = 128
 
@@ -74,7 +74,7 @@ class Int4LinearMethod(WeightOnlyMethod):
             rows = F.pad(rows, (0, padded(k) - k)) if k % GROUP_SIZE else rows
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.qweight, GROUP_SIZE, layer.scales_and_zeros)
             out = with_bias(out, bias)
-        elif self.triton_applies(rows):
+        elif triton_applies(rows):
             out = with_bias(triton_ops.w4a16_linear(rows, layer.qweight, layer.scales_and_zeros), bias)
         else:
             weight = dequantize_int4(layer.qweight, layer.scales_and_zeros, layer.input_size, x.dtype)

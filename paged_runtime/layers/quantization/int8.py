@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from paged_runtime.kernels import triton_ops
 from paged_runtime.layers.linear import LinearBase
-from paged_runtime.layers.quantization.base import WeightOnlyMethod, flat, with_bias
+from paged_runtime.layers.quantization.base import WeightOnlyMethod, flat, triton_applies, with_bias
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ class Int8LinearMethod(WeightOnlyMethod):
             if rows.data_ptr() % 64:  # a view into a larger tensor: the kernel needs aligned rows
                 rows = rows.clone()
             out = with_bias(torch.ops.aten._weight_int8pack_mm(rows, layer.qweight, layer.scale), bias)
-        elif self.triton_applies(rows):
+        elif triton_applies(rows):
             out = with_bias(triton_ops.w8a16_linear(rows, layer.qweight, layer.scale), bias)
         else:
             out = F.linear(rows, dequantize_int8(layer.qweight, layer.scale, x.dtype), bias)
