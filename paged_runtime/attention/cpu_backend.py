@@ -12,9 +12,9 @@ A prompt chunk goes to the kernel too when its queries times its context are at 
 ``SMALL_CHUNK`` (128 x 128), where PyTorch's SDPA costs ~0.3 ms a call per chunk and layer,
 or when its context is at most ``TILED_CONTEXT`` (512) tokens: the kernel attends a chunk's
 rows in tiles of 8 that read each key and value once for all of them (each row's bits as
-alone), 1.1-1.4x SDPA there; past that SDPA's blocked products win (0.7-0.95x at 64-512
-queries over 1,024-2,048 keys; `benchmarks/cpu_attention.py --prompts`, 2-core Zen 3), so
-longer chunks run as in the torch backend.
+alone), 1.3-2.4x SDPA up to 128 x 128 and about even at 512 x 512; past that SDPA's blocked
+products win (0.7-0.8x at 128-2,048 queries over 1,024-2,048 keys; `benchmarks/cpu_attention.py
+--prompts`, 2-core Zen 3), so longer chunks run as in the torch backend.
 
 A step of rows only (no prompt chunk) is ``rows_only``: the runner's compiled decode
 step (``worker/cpu_decode_plan.py``) may then run every decoder layer in one call,
