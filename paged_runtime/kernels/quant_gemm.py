@@ -34,6 +34,20 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # tl.dot needs 16 on each side; BLOCK_K 
 
 
 @triton.jit
+def _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x):
+    """x[rows, ks], zeros outside x."""
+    return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                   other=0.)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out):
+    """out[rows, cols] = acc, rounded once to out's dtype."""
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _w8a16_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_x, stride_q, stride_out,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -43,15 +57,13 @@ def _w8a16_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_x, stride_q,
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.)
+        x = _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x)
         q = tl.load(q_ptr + cols[None, :].to(tl.int64) * stride_q + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0)  # [BLOCK_K, BLOCK_N]: W.T's tile
         acc += tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.).to(tl.float32)
     out = acc * scale[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_out(out_ptr, out, rows, row_ok, cols, col_ok, stride_out)
 
 
 @triton.jit
@@ -73,8 +85,7 @@ def _w4a16_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, K, stride_x, stride_q, st
         zero = tl.load(sz + 1, mask=col_ok, other=0.).to(tl.float32)
         w = ((codes - 8).to(tl.float32) * scale[None, :] + zero[None, :]).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out)
 
 
 @triton.jit
@@ -148,12 +159,10 @@ def _gguf_kernel(x_ptr, q_ptr, out_ptr, M, N, K, row_bytes, stride_x, stride_out
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.)
+        x = _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x)
         w = _gguf_tile(q_ptr, cols, ks, col_ok[None, :] & k_ok[:, None], row_bytes, QTYPE, BLOCK_BYTES)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out)
 
 
 def _grid(m: int, n: int) -> tuple[int, int]:

@@ -137,16 +137,23 @@ def test_c_decode_attention_reads_the_converted_cache_as_the_torch_backend(name,
     assert (out.float() - ref).abs().max() <= tolerance
 
 
+# Every cache the kernel reads: the model dtype's own ("auto") and each converted one.
+EVERY_CACHE = [pytest.param("auto", t, id=f"auto-{str(t)[6:]}") for t in DTYPES] + CONVERTED
+
+
+def any_cache(name: str, dtype: torch.dtype, num_blocks: int, block_size: int, kv_heads: int, dim: int, seed: int):
+    if name == "auto":
+        return randn(num_blocks * block_size, 2, kv_heads, dim, seed=seed).to(dtype), None
+    return filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=seed)
+
+
 @kernels
-@pytest.mark.parametrize("name,dtype", CONVERTED + [pytest.param("auto", t, id=f"auto-{str(t)[6:]}") for t in DTYPES])
+@pytest.mark.parametrize("name,dtype", EVERY_CACHE)
 def test_c_decode_attention_gives_whole_rows_the_bits_of_rows_by_kv_head(name, dtype):
     """80 rows take whole-row items (4 a thread, up to 20 threads), 5 rows (row, KV head) items: each head's
     arithmetic is the same sequence either way, so the bits are too."""
     heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 24
-    if name == "auto":
-        cache, scale = torch.randn(num_blocks * block_size, 2, kv_heads, dim).to(dtype), None
-    else:
-        cache, scale = filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=5)
+    cache, scale = any_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=5)
     g = torch.Generator().manual_seed(1)
     lens = torch.tensor([1, 16, 17, 90, 200] * 16)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:13] for _ in lens])
@@ -159,8 +166,7 @@ def test_c_decode_attention_gives_whole_rows_the_bits_of_rows_by_kv_head(name, d
 
 @kernels
 @pytest.mark.parametrize("name,dtype,window,softcap",
-                         [pytest.param(name, dtype, 0, 0., id=f"{name}-{str(dtype)[6:]}") for name, dtype in
-                          [("auto", torch.float32), ("auto", torch.bfloat16), *[p.values for p in CONVERTED]]] +
+                         [pytest.param(*p.values, 0, 0., id=p.id) for p in EVERY_CACHE] +
                          [pytest.param("auto", torch.float32, 20, 0., id="window"),
                           pytest.param("auto", torch.float32, 0, 5., id="softcap")])
 def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_alone(name, dtype, window, softcap):
@@ -170,10 +176,7 @@ def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_al
     alone, so one call gives the bits of a call per row. A tile that crossed into the third request (its block
     table equal on the shared prefix) would give its rows the second one's keys."""
     heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 24
-    if name == "auto":
-        cache, scale = torch.randn(num_blocks * block_size, 2, kv_heads, dim).to(dtype), None
-    else:
-        cache, scale = filled_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=7)
+    cache, scale = any_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=7)
     g = torch.Generator().manual_seed(2)
     first, second = torch.randperm(num_blocks, generator=g)[:12], torch.randperm(num_blocks, generator=g)[:12]
     third = torch.cat([second[:2], first[2:]])  # shares the second's first two blocks
