@@ -10,10 +10,10 @@ hold attn_v in Q6_K beside q and k in Q4_K), whose outputs are concatenated.
 Multiplying: on the CPU, the compiled kernels (``kernels.cpu`` ``cpu_gguf_linear``) read the blocks directly
 for every batch; on CUDA, the Triton GEMM (``triton_gguf_linear``, ``kernels/quant_gemm.py``) reads them too,
 each weight dequantized in registers; elsewhere (no compiler, no Triton) each segment is dequantized per call
-(the torch definition) and multiplied by ``F.linear``. No dequantized copy is kept: the memory stays the file's. Where the kernels
-run, segments of whole 8-row groups (every type) are repacked at load (``gguf_pack_x8``: the same
-bytes, an output row per vector lane), which batches multiply 1.5-2.8x faster (Q4_1, 16-128 rows). A tied embedding and LM head
-share one repacked matrix (the embedding dequantizes the 8-row group of each id it looks up).
+(the torch definition) and multiplied by ``F.linear``. No dequantized copy is kept: the memory stays the
+file's. Where the CPU kernels run, segments of whole 8-row groups (every type) are repacked at load
+(``gguf_pack_x8``: the same bytes, an output row per vector lane), which batches multiply 1.5-2.8x faster
+(Q4_1, 16-128 rows). A tied embedding and LM head share one repacked matrix (the embedding dequantizes the 8-row group of each id it looks up).
 """
 from __future__ import annotations
 
