@@ -15,10 +15,15 @@ tile by tile, inside the product (no dequantized copy of the matrix, which CUDA 
   and its scales and mins, and computes ``gguf_blocks.dequantize``'s float32 value with its operations in its
   order (no fused multiply-add: ``enable_fp_fusion=False``), rounded to the activations' dtype for the dot.
 
-Grid (M / BLOCK_M, N / BLOCK_N), a loop over K; fp32 accumulators; the output rounded once to x's dtype. float32
-dots are "ieee" (no TF32), so float32 agrees with the dequantize + ``F.linear`` reference to summation order.
-One tile shape for every M for now: the small-M (split-K, weight-streaming) and large-M tunings need a GPU to be
-measured (issue 36).
+Grid (M / BLOCK_M, N / BLOCK_N, splits), a loop over the split's share of K; fp32 accumulators; float32 dots are
+"ieee" (no TF32), so float32 agrees with the dequantize + ``F.linear`` reference to summation order. Two regimes:
+
+- large M (prefill): one split, the output rounded once to x's dtype in the kernel;
+- small M (decode): (M, N) tiles too few to give every SM two programs (``split_k``) split K as well, so the
+  whole device streams the weight: each split writes its fp32 partial sums to ``[splits, M, N]`` and one sum over
+  the splits (a fixed order: deterministic, no atomics, capturable in CUDA graphs) rounds them to x's dtype.
+
+The tile shape and the split rule are first guesses; their tuning needs a GPU (issue 36).
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from paged_runtime.kernels.gguf_types import row_bytes as gguf_row_bytes
 
 GROUP = 128  # int4's group of input features (int4.GROUP_SIZE)
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # tl.dot needs 16 on each side; BLOCK_K divides GROUP
+PROGRAMS_PER_SM = 2  # programs the (M, N, split) grid aims at per streaming multiprocessor
+MIN_SPLIT_TILES = 4  # K tiles a split covers at least: fewer and the partial sums cost more than they spread
 
 
 @triton.jit
@@ -41,20 +48,28 @@ def _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x):
 
 
 @triton.jit
-def _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out):
-    """out[rows, cols] = acc, rounded once to out's dtype."""
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+def _k_range(K, K_SPLIT):
+    """The first and end K of this program's split (program_id 2): K_SPLIT inputs each, the last one short."""
+    k_start = tl.program_id(2) * K_SPLIT
+    return k_start, tl.minimum(K, k_start + K_SPLIT)
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_x, stride_q, stride_out,
+def _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out, stride_split):
+    """out[split, rows, cols] = acc, rounded once to out's dtype (fp32 partial sums where K is split)."""
+    at = out_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_out, stride_split, q_ptr, scale_ptr, stride_q,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start, k_end = _k_range(K, K_SPLIT)
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x)
@@ -63,18 +78,20 @@ def _w8a16_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, stride_x, stride_q,
         acc += tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.).to(tl.float32)
     out = acc * scale[None, :]
-    _store_out(out_ptr, out, rows, row_ok, cols, col_ok, stride_out)
+    _store_out(out_ptr, out, rows, row_ok, cols, col_ok, stride_out, stride_split)
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, K, stride_x, stride_q, stride_out, stride_sz_group,
+def _w4a16_kernel(x_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_out, stride_split, q_ptr, sz_ptr, stride_q,
+                  stride_sz_group,
                   DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K: the padded width, a whole number of groups
+    k_start, k_end = _k_range(K, K_SPLIT)
+    for k0 in range(k_start, k_end, BLOCK_K):  # K: the padded width, a whole number of groups
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_ok[:, None], other=0.)
         packed = tl.load(q_ptr + cols[None, :].to(tl.int64) * stride_q + (ks // 2)[:, None],
@@ -85,7 +102,7 @@ def _w4a16_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, K, stride_x, stride_q, st
         zero = tl.load(sz + 1, mask=col_ok, other=0.).to(tl.float32)
         w = ((codes - 8).to(tl.float32) * scale[None, :] + zero[None, :]).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out)
+    _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out, stride_split)
 
 
 @triton.jit
@@ -149,67 +166,85 @@ def _gguf_tile(q_ptr, cols, ks, mask, row_bytes, QTYPE: tl.constexpr, BLOCK_BYTE
 
 
 @triton.jit
-def _gguf_kernel(x_ptr, q_ptr, out_ptr, M, N, K, row_bytes, stride_x, stride_out, QTYPE: tl.constexpr,
+def _gguf_kernel(x_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_out, stride_split, q_ptr, row_bytes,
+                 QTYPE: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start, k_end = _k_range(K, K_SPLIT)
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x)
         w = _gguf_tile(q_ptr, cols, ks, col_ok[None, :] & k_ok[:, None], row_bytes, QTYPE, BLOCK_BYTES)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-    _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out)
+    _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out, stride_split)
 
 
-def _grid(m: int, n: int) -> tuple[int, int]:
-    return triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
+_multiprocessors: dict[int, int] = {}  # CUDA device index -> its SM count
 
 
-def _precision(x: torch.Tensor) -> str | None:
-    return "ieee" if x.dtype == torch.float32 else None
+def split_k(m: int, n: int, k: int, sms: int) -> int:
+    """K splits for an [m, k] @ [k, n] product on a device of ``sms`` SMs: 1 where the (M, N) tiles already give
+    every SM ``PROGRAMS_PER_SM`` programs (prefill), else as many as make up the difference (decode), each split
+    covering at least ``MIN_SPLIT_TILES`` K tiles."""
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, tiles), triton.cdiv(k, BLOCK_K) // MIN_SPLIT_TILES))
 
 
-def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors; 1 off CUDA (the interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _multiprocessors:
+        _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _multiprocessors[index]
+
+
+def _launch(kernel, x: torch.Tensor, n: int, k: int, weight: tuple, split: int | None, **meta) -> torch.Tensor:
+    """x [M, K] through ``kernel`` (its arguments: x, out, M, N, K, K_SPLIT, the three strides, then ``weight``'s)
+    -> [M, N] in x's dtype; ``split``: K splits (default ``split_k``'s), fewer where K has fewer tiles."""
+    m = x.shape[0]
+    if not m:
+        return x.new_empty(0, n)
+    split = split or split_k(m, n, k, _sms(x.device))
+    k_split = triton.cdiv(triton.cdiv(k, BLOCK_K), split) * BLOCK_K  # whole K tiles: an int4 group stays in one
+    splits = triton.cdiv(k, k_split)
+    out = x.new_empty(m, n) if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)](
+        x, out, m, n, k, k_split, x.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0, *weight,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        **meta)
+    return out if splits == 1 else out.sum(0).to(x.dtype)
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, split: int | None = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) @ (qweight * scale[:, None]).T -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    out = x.new_empty(m, n)
-    if m:
-        _w8a16_kernel[_grid(m, n)](x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-                                   DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return out
+    return _launch(_w8a16_kernel, x, qweight.shape[0], x.shape[1], (qweight, scale, qweight.stride(0)), split)
 
 
-def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
+                 split: int | None = None) -> torch.Tensor:
     """x [M, K] @ the int4 weight's transpose -> [M, N] in x's dtype; x is zero-padded to the groups' width here,
     as ``Int4LinearMethod`` pads it for torch's kernel."""
-    m, k = x.shape
-    n, padded = qweight.shape[0], qweight.shape[1] * 2
+    k, padded = x.shape[1], qweight.shape[1] * 2
     if k != padded:
         x = torch.nn.functional.pad(x, (0, padded - k))
-    out = x.new_empty(m, n)
-    if m:
-        _w4a16_kernel[_grid(m, n)](x, qweight, scales_and_zeros, out, m, n, padded, x.stride(0), qweight.stride(0),
-                                   out.stride(0), scales_and_zeros.stride(0), DOT_PRECISION=_precision(x),
-                                   GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return out
+    weight = (qweight, scales_and_zeros, qweight.stride(0), scales_and_zeros.stride(0))
+    return _launch(_w4a16_kernel, x, qweight.shape[0], padded, weight, split, GROUP=GROUP)
 
 
-def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, split: int | None = None) -> torch.Tensor:
     """x [M, K] @ the GGUF weight's transpose -> [M, N] in x's dtype; raw: [N, row_bytes] uint8, the file's
     blocks of ggml type id ``qtype`` (a served one: ``kernels.gguf_types``)."""
-    m, k = x.shape
+    k = x.shape[1]
     n, row_bytes = raw.shape
     t = gguf_type(qtype)
     if row_bytes != gguf_row_bytes(t, k):
         raise ValueError(f"{t.name} rows of {k} inputs take {gguf_row_bytes(t, k)} bytes, not {row_bytes}")
-    out = x.new_empty(m, n)
-    if m:
-        _gguf_kernel[_grid(m, n)](x, raw, out, m, n, k, row_bytes, x.stride(0), out.stride(0), QTYPE=t.id,
-                                  BLOCK_BYTES=t.block_bytes, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
-                                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
-    return out
+    return _launch(_gguf_kernel, x, n, k, (raw, row_bytes), split, QTYPE=t.id, BLOCK_BYTES=t.block_bytes,
+                   enable_fp_fusion=False)

@@ -153,3 +153,41 @@ def test_the_linear_methods_multiply_with_the_triton_gemms_where_they_apply(name
                        dequantize_int4(layer.qweight, layer.scales_and_zeros, 256))
     assert calls == [op]
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["int8", "int4", "Q4_1", "Q6_K"])
+def test_split_k_partial_sums_add_up_to_the_whole_product(kind, dtype):
+    """Decode's regime: K in 3 splits (the last one short: 9 K tiles of 64 in splits of 3 x 3 tiles, and 640 in
+    2 x 5 + ... for int4), each writing fp32 partial sums that one sum over the splits rounds to x's dtype."""
+    from paged_runtime.kernels import quant_gemm
+    k = 576 if kind != "Q6_K" else 768
+    x = randn(2, k, seed=5).to(dtype)
+    if kind == "int8":
+        qweight, scale = quantize_int8(randn(70, k, seed=6) * 0.1, dtype)
+        ref, run = F.linear(x, dequantize_int8(qweight, scale, dtype)), quant_gemm.w8a16_linear
+        weight = (qweight.to(DEVICE), scale.to(DEVICE))
+    elif kind == "int4":
+        qweight, scales_and_zeros = quantize_int4(randn(70, k, seed=6) * 0.1, dtype)
+        ref, run = F.linear(x, dequantize_int4(qweight, scales_and_zeros, k, dtype)), quant_gemm.w4a16_linear
+        weight = (qweight.to(DEVICE), scales_and_zeros.to(DEVICE))
+    else:
+        raw = gguf_weight(kind, 70, k, seed=6)
+        ref, run = F.linear(x, dequantize(raw, SERVED[kind], dtype)), quant_gemm.gguf_linear
+        weight = (raw.to(DEVICE), SERVED[kind].id)
+    whole, split = run(x.to(DEVICE), *weight, split=1).cpu(), run(x.to(DEVICE), *weight, split=3).cpu()
+    assert_close(whole, ref, dtype)
+    assert_close(split, ref, dtype)
+    if dtype == torch.float32:  # the same products, summed in another order
+        assert not torch.equal(split, whole)
+
+
+def test_split_k_splits_decode_products_to_fill_the_device_and_leaves_prefill_whole():
+    from paged_runtime.kernels.quant_gemm import split_k
+    sms = 132  # an H100 / H200
+    assert split_k(1, 4096, 4096, sms) == 5  # 64 tiles of N: 264 programs wanted, 5 splits of 12-13 K tiles
+    assert split_k(1, 4096, 14336, sms) == 5
+    assert split_k(64, 4096, 4096, sms) == 2  # 4 x 64 tiles
+    assert split_k(2048, 4096, 4096, sms) == 1  # prefill: 8,192 tiles
+    assert split_k(1, 576, 576, sms) == 2  # SmolLM2: 9 tiles of N, 9 of K; splits of at least 4 K tiles
+    assert split_k(1, 64, 128, sms) == 1  # K of 2 tiles does not split
