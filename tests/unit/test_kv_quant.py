@@ -165,17 +165,21 @@ def test_c_decode_attention_gives_whole_rows_the_bits_of_rows_by_kv_head(name, d
 
 
 @kernels
-@pytest.mark.parametrize("name,dtype,window,softcap",
-                         [pytest.param(*p.values, 0, 0., id=p.id) for p in EVERY_CACHE] +
-                         [pytest.param("auto", torch.float32, 20, 0., id="window"),
-                          pytest.param("auto", torch.float32, 0, 5., id="softcap")])
-def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_alone(name, dtype, window, softcap):
+@pytest.mark.parametrize("name,dtype,window,softcap,heads,kv_heads,dim",
+                         [pytest.param(*p.values, 0, 0., 9, 3, 64, id=p.id) for p in EVERY_CACHE] +
+                         [pytest.param("auto", torch.float32, 20, 0., 9, 3, 64, id="window"),
+                          pytest.param("auto", torch.float32, 0, 5., 9, 3, 64, id="softcap"),
+                          pytest.param("auto", torch.float32, 0, 0., 8, 2, 128, id="4-heads-a-kv-head"),
+                          pytest.param("auto", torch.float32, 0, 0., 8, 1, 48, id="8-heads-a-kv-head")])
+def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_alone(name, dtype, window, softcap,
+                                                                                      heads, kv_heads, dim):
     """Consecutive rows that read the same slots (a prompt chunk's tokens: 21 of one request, then 38 of
     another, then 19 of a third that shares the second's first two blocks but not its third) are attended in
-    tiles of up to 8 rows that read each key and value once for all of them; each row's arithmetic is its own
-    alone, so one call gives the bits of a call per row. A tile that crossed into the third request (its block
-    table equal on the shared prefix) would give its rows the second one's keys."""
-    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 24
+    tiles of up to 8 rows that read each key and value once for all of them (1, 3, 4 and 8 query heads a KV
+    head); each row's arithmetic is its own alone, so one call gives the bits of a call per row. A tile that
+    crossed into the third request (its block table equal on the shared prefix) would give its rows the second
+    one's keys."""
+    block_size, num_blocks = 16, 24
     cache, scale = any_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=7)
     g = torch.Generator().manual_seed(2)
     first, second = torch.randperm(num_blocks, generator=g)[:12], torch.randperm(num_blocks, generator=g)[:12]
