@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
 from benchmarks.common import machine_info, result_path, write_results  # noqa: E402
+from benchmarks.kernels import bench_ms, copy_bandwidth  # noqa: E402
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 KINDS = ("bf16", "w8a16", "w4a16", "q4_k", "q8_0")
@@ -46,18 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/quant_gemm-<card>.json)")
     return p.parse_args(argv)
-
-
-def bench_ms(fn) -> float:
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * 2**30 / (ms / 1e3)
 
 
 def layer_weights(kind: str) -> list[tuple]:
