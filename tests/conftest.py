@@ -25,6 +25,24 @@ if not os.environ.get("PAGED_RUNTIME_CACHE"):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A cache folder of the test's own as ``$PAGED_RUNTIME_CACHE`` (the models it converts start from nothing and
+    stay there), holding the run's compiled kernel library as a hard link: building it again for each such test
+    cost a minute of compiling a test on a 2-core machine (12 minutes of a run), and the loader takes the link as
+    its own (a private folder, a regular file of this user's)."""
+    from paged_runtime.kernels import cpu
+    run_cache, cache = os.environ["PAGED_RUNTIME_CACHE"], tmp_path / "cache"
+    cpu.load(run_cache)  # built once per run (a no-op once loaded; False without a compiler)
+    library = cpu.library_path(run_cache)
+    linked = cache / library.parent.name / library.name
+    linked.parent.mkdir(parents=True, mode=0o700)
+    if library.is_file():
+        os.link(library, linked)
+    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(cache))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from paged_runtime.models.default_model import default_model_path

@@ -186,9 +186,8 @@ def test_kv_budget_too_small_names_the_largest_length(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_gguf_file_loads_and_matches_the_converted_default(smol, tmp_path, monkeypatch):
+def test_gguf_file_loads_and_matches_the_converted_default(smol, private_cache):
     from paged_runtime.models.default_model import find_default_gguf
-    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path))
     from_gguf = make_llm(find_default_gguf(), max_model_len=256, kv_cache_memory=16 * 2**20)
     prompt = ["The three primary colors are"]
     assert (from_gguf.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids

@@ -78,10 +78,9 @@ def greedy(llm) -> list[list[int]]:
                                                           use_tqdm=False)]
 
 
-def engines(path, monkeypatch, tmp_path) -> dict:
+def engines(path) -> dict:
     """The file served from its blocks by the compiled kernels (steps of 16 tokens: several passes never
     needed), by the torch definition (kernels off), and dequantized at load (the oracle)."""
-    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
     common = dict(max_model_len=96, kv_cache_memory=4 << 20, max_num_batched_tokens=16)
     return {"kernels": make_llm(path, **common), "torch": make_llm(path, cpu_kernels=False, **common),
             "plain": make_llm(path, quantization="none", **common)}
@@ -101,11 +100,11 @@ def scored(llm) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", sorted(SERVED))
-def test_each_served_type_computes_as_its_dequantized_weights(qtype, tmp_path, monkeypatch):
+def test_each_served_type_computes_as_its_dequantized_weights(qtype, tmp_path, private_cache):
     """The torch definition computes exactly the dequantized model (token for token); the kernels round
     activations to 8 bits per block of 32 (as llama.cpp), so their logprobs stay within a bound instead."""
     path, written = write_gguf(tmp_path, lambda name: qtype)
-    llms = engines(path, monkeypatch, tmp_path)
+    llms = engines(path)
     model = llms["kernels"].engine.core.runner.model
     held = {n: b for n, b in model.named_buffers() if ".qweight_" in n}
     assert sum(b.nbytes for b in held.values()) == sum(r.nbytes for r in written.values())  # embedding tied
@@ -116,17 +115,17 @@ def test_each_served_type_computes_as_its_dequantized_weights(qtype, tmp_path, m
     assert gap <= ACTIVATION_ROUNDING_GAP, gap
 
 
-def test_a_fused_matrix_of_mixed_types_multiplies_per_run(tmp_path, monkeypatch):
+def test_a_fused_matrix_of_mixed_types_multiplies_per_run(tmp_path, private_cache):
     """As Q4_K_M files: attn_v and ffn_up in Q6_K beside Q4_K; q / k join one segment, v is another."""
     path, _ = write_gguf(tmp_path, lambda name: "Q6_K" if ("attn_v" in name or "ffn_up" in name) else "Q4_K")
-    llms = engines(path, monkeypatch, tmp_path)
+    llms = engines(path)
     qkv = llms["torch"].engine.core.runner.model.layers[0].self_attn.qkv_proj
     assert [(t.name, rows) for t, rows, _ in qkv.gguf_segments] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
     assert greedy(llms["torch"]) == greedy(llms["plain"])
     assert np.abs(scored(llms["kernels"]) - scored(llms["plain"])).max() <= ACTIVATION_ROUNDING_GAP
 
 
-def test_an_unserved_type_is_refused_naming_it(tmp_path, monkeypatch):
+def test_an_unserved_type_is_refused_naming_it(tmp_path, private_cache):
     path, _ = write_gguf(tmp_path, lambda name: None)
     # Rewrite one weight as TQ1_0 (ternary), which gguf-py quantizes and dequantizes but the runtime does not serve.
     reader = gguf.GGUFReader(str(path))
@@ -146,7 +145,6 @@ def test_an_unserved_type_is_refused_naming_it(tmp_path, monkeypatch):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight is stored as TQ1_0.*"
                        "served types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.*--quantization none"):
         make_llm(tmp_path / "tq.gguf", max_model_len=96, kv_cache_memory=4 << 20)
@@ -171,7 +169,7 @@ def test_the_kernels_give_each_row_the_same_bits_in_any_batch(qtype):
             assert torch.equal(part, whole[start:start + rows]), (dtype, start, rows)
 
 
-def test_a_gguf_on_the_cpu_computes_in_float32_over_a_bfloat16_cache_by_default(tmp_path, monkeypatch):
+def test_a_gguf_on_the_cpu_computes_in_float32_over_a_bfloat16_cache_by_default(tmp_path, private_cache):
     """dtype auto: float32 activations; kv_cache_dtype auto then: ``GGUF_CPU_KV_CACHE`` (``utils.devices.
     resolve_precision``). An explicit dtype keeps its own cache, an explicit cache dtype is kept, and the file
     dequantized at load (``-q none``) is a plain checkpoint: its own bfloat16. On CUDA the checkpoint's dtype, as
@@ -179,7 +177,6 @@ def test_a_gguf_on_the_cpu_computes_in_float32_over_a_bfloat16_cache_by_default(
     from paged_runtime.kernels import kv_quant
     from paged_runtime.utils.devices import GGUF_CPU_KV_CACHE, Precision, resolve_precision
     path, _ = write_gguf(tmp_path, lambda name: "Q8_0")
-    monkeypatch.setenv("PAGED_RUNTIME_CACHE", str(tmp_path / "cache"))
     f32, bf16 = torch.float32, torch.bfloat16
     default_cache = kv_quant.cache_dtype(GGUF_CPU_KV_CACHE, f32)
     want = {("auto", "auto", None): (f32, default_cache), ("auto", "int8", None): (f32, torch.int8),
