@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_runtime.kernels.attention import sm_count
 from paged_runtime.kernels.gguf_types import gguf_type
 from paged_runtime.kernels.gguf_types import row_bytes as gguf_row_bytes
 
@@ -184,9 +185,6 @@ def _gguf_kernel(x_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_out, stride_
     _store_out(out_ptr, acc, rows, row_ok, cols, col_ok, stride_out, stride_split)
 
 
-_multiprocessors: dict[int, int] = {}  # CUDA device index -> its SM count
-
-
 def split_k(m: int, n: int, k: int, sms: int) -> int:
     """K splits for an [m, k] @ [k, n] product on a device of ``sms`` SMs: 1 where the (M, N) tiles already give
     every SM ``PROGRAMS_PER_SM`` programs (prefill), else as many as make up the difference (decode), each split
@@ -195,23 +193,13 @@ def split_k(m: int, n: int, k: int, sms: int) -> int:
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, tiles), triton.cdiv(k, BLOCK_K) // MIN_SPLIT_TILES))
 
 
-def _sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors; 1 off CUDA (the interpreter runs one program at a time)."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _multiprocessors:
-        _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _multiprocessors[index]
-
-
 def _launch(kernel, x: torch.Tensor, n: int, k: int, weight: tuple, split: int | None, **meta) -> torch.Tensor:
     """x [M, K] through ``kernel`` (its arguments: x, out, M, N, K, K_SPLIT, the three strides, then ``weight``'s)
     -> [M, N] in x's dtype; ``split``: K splits (default ``split_k``'s), fewer where K has fewer tiles."""
     m = x.shape[0]
     if not m:
         return x.new_empty(0, n)
-    split = split or split_k(m, n, k, _sms(x.device))
+    split = split or split_k(m, n, k, sm_count())
     k_split = triton.cdiv(triton.cdiv(k, BLOCK_K), split) * BLOCK_K  # whole K tiles: an int4 group stays in one
     splits = triton.cdiv(k, k_split)
     out = x.new_empty(m, n) if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
