@@ -8,7 +8,7 @@ What it measures (one CUDA device, named in every figure)
     - W8A16 (int8 per channel), W4A16 (int4 groups of 128; GPTQ / AWQ / compressed-tensors checkpoints are
       stored in this layout), GGUF Q4_K and Q8_0 blocks: the runtime's ``paged_runtime::triton_*_linear`` ops
       as its linear methods call them, so K is split by ``quant_gemm.split_k``'s rule; and each again with
-      one split (``--no-split`` rows) to show what splitting K buys.
+      one split (the "(no split)" rows) to show what splitting K buys.
     The floor of a layer is its weight bytes / the copy bandwidth (a 1 GiB device-to-device copy, bytes read
     and written per second). Weights are random (timings do not depend on the values; GGUF blocks are random
     bytes).

@@ -158,8 +158,9 @@ def test_the_linear_methods_multiply_with_the_triton_gemms_where_they_apply(name
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["int8", "int4", "Q4_1", "Q6_K"])
 def test_split_k_partial_sums_add_up_to_the_whole_product(kind, dtype):
-    """Decode's regime: K in 3 splits (the last one short: 9 K tiles of 64 in splits of 3 x 3 tiles, and 640 in
-    2 x 5 + ... for int4), each writing fp32 partial sums that one sum over the splits rounds to x's dtype."""
+    """Decode's regime: K asked in 3 splits of whole K tiles (576 = 9 tiles: 3 + 3 + 3; int4's 640 = 10 tiles:
+    4 + 4 + 2, the last one short; Q6_K's 768 = 12 tiles: 4 + 4 + 4), each writing fp32 partial sums that one sum
+    over the splits rounds to x's dtype."""
     from paged_runtime.kernels import quant_gemm
     k = 576 if kind != "Q6_K" else 768
     x = randn(2, k, seed=5).to(dtype)

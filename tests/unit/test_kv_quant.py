@@ -175,7 +175,7 @@ def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_al
                                                                                       heads, kv_heads, dim):
     """Consecutive rows that read the same slots (a prompt chunk's tokens: 21 of one request, then 38 of
     another, then 19 of a third that shares the second's first two blocks but not its third) are attended in
-    tiles of up to 8 rows that read each key and value once for all of them (1, 3, 4 and 8 query heads a KV
+    tiles of up to 8 rows that read each key and value once for all of them (3, 4 and 8 query heads a KV
     head); each row's arithmetic is its own alone, so one call gives the bits of a call per row. A tile that
     crossed into the third request (its block table equal on the shared prefix) would give its rows the second
     one's keys."""
