@@ -97,6 +97,8 @@ _SIGNATURES = {
     "pr_paged_decode_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                                    _f32, _ptr, _int, _int, _ptr], _int),
     "pr_attention_tile_rows": ([_int], None),
+    "pr_paged_prompt_attention": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32,
+                                   _ptr, _int, _int, _ptr], _int),
     "pr_decode_layers": ([_ptr, _i64, _ptr, _ptr, _ptr, _int], _int),
     "pr_lora_delta": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int], _int),
     "pr_gguf_linear": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int], _int),
@@ -518,6 +520,33 @@ def cpu_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
         *_kv_args(kv_cache, kv_scale, q.dtype))
     if rc:
         raise MemoryError("pr_paged_decode_attention could not allocate its score buffers")
+    return out
+
+
+@_op("cpu_paged_prompt_attention(Tensor q, Tensor kv_cache, Tensor block_table, int context_len, int block_size, "
+     "float scale, int window=0, float softcap=0., Tensor? kv_scale=None) -> Tensor",
+     lambda q, kv_cache, block_table, context_len, block_size, scale, window=0, softcap=0., kv_scale=None:
+     torch.empty_like(q))
+def cpu_paged_prompt_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                               block_size: int, scale: float, window: int = 0, softcap: float = 0.,
+                               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One request's prompt chunk: q ([L, H, D], rows may be strided) holds the queries at positions
+    context_len - L .. context_len - 1, each attending causally over the paged context of ``block_table``
+    ([max_blocks] int64, contiguous), its keys and values already stored; window, softcap and kv_scale as in
+    ``cpu_paged_decode_attention``. Blocked products with an online softmax (flash attention): the long
+    chunks' path, SDPA's result within rounding."""
+    length, heads, dim = q.shape
+    if q.stride(1) != dim or q.stride(2) != 1:
+        raise ValueError("q's heads must be contiguous within a row")
+    if not length <= context_len <= block_table.shape[0] * block_size or not block_table.is_contiguous():
+        raise ValueError(f"a chunk of {length} queries at context {context_len} needs a contiguous table of "
+                         f"{-(-context_len // block_size)} blocks or more; got {tuple(block_table.shape)}")
+    out = torch.empty(length, heads, dim, dtype=q.dtype)
+    rc = _lib().pr_paged_prompt_attention(
+        _p(q), q.stride(0), _p(kv_cache), _p(block_table), length, context_len, heads, kv_cache.shape[2], dim,
+        block_size, window, scale, softcap, _p(out), DTYPES[q.dtype], *_kv_args(kv_cache, kv_scale, q.dtype))
+    if rc:
+        raise MemoryError("pr_paged_prompt_attention could not allocate its context panels")
     return out
 
 

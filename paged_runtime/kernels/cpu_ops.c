@@ -1463,6 +1463,232 @@ int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_ca
     return 0;
 }
 
+
+/* ---- prompt chunks: flash attention over a packed copy of the context ----------------------------------
+ *
+ * One request's chunk of nq query rows (positions context_len - nq .. context_len - 1, each over its causal
+ * context, or its last `window` tokens) as blocked products with an online softmax, where SDPA's blocked GEMMs
+ * beat the per-row kernels (long chunks: see attention/cpu_backend.py). Per KV head, the chunk's context is
+ * first read from the paged cache once, widened to fp32 (an 8-bit cache's times its scales, as kv_load16
+ * reads it) into panels: keys transposed in runs of 16 (panel p: kt[(p * dim + d) * 16 + t]), values as rows.
+ * Then each work item, FLASH_QVECS query vectors (rows x the KV head's query heads), walks the keys its rows
+ * see in blocks of FLASH_KEYS: scores FLASH_QV query vectors x 16 keys at a time (6 x 2 AVX2 accumulators:
+ * 2 key loads per 12 multiply-adds), the block's softmax folded into each vector's running max and sum, and
+ * the output rescaled and accumulated FLASH_QV vectors x 16 dims at a time. Every sum is fp32; the result is
+ * SDPA's within rounding, not bit for bit the row kernel's. Items go to threads longest first (dynamic). */
+#ifdef VEC16
+#define FLASH_QV 6
+#define FLASH_KEYS 64
+#define FLASH_QVECS 48
+
+/* Keys and values t0 .. t0 + 15 (t counts from the chunk's first key `lo`) of KV head g into their panels;
+ * keys past `span` are zeros (their scores are masked, their zero weights meet zero values, never NaN). */
+static void flash_pack(const Paged *P, const void *kv_cache, const int64_t *table, int64_t lo, int64_t span,
+                       int64_t t0, int64_t g, int dt, float *kt, float *vv) {
+    int64_t dim = P->dim, elem = P->kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : P->kv_dt == KV_BF16 ? 2 : 1;
+    int64_t row_bytes = P->kv_heads * dim * elem, head_at = g * dim * elem;
+    const int scaled = P->kv_dt == KV_FP8 || P->kv_dt == KV_INT8;
+    int64_t slots[16];
+    for (int64_t t = 0; t < 16; t++) {
+        int64_t pos = lo + t0 + t;
+        slots[t] = t0 + t < span ? table[pos / P->block_size] * P->block_size + pos % P->block_size : -1;
+    }
+    for (int64_t c = 0; c < dim / 16; c++) {
+        V16 m[16], tr[16];
+        for (int64_t t = 0; t < 16; t++) {
+            float *value = vv + (t0 + t) * dim + c * 16;
+            if (slots[t] < 0) {
+                m[t] = v16_zero(), v16_storef(value, m[t]);
+                continue;
+            }
+            const char *at = (const char *)kv_cache + slots[t] * 2 * row_bytes + head_at;
+            V16 ks = scaled ? kv_scale16(P, slots[t], 0, g, dt) : v16_set1(1.f);
+            V16 vs = scaled ? kv_scale16(P, slots[t], 1, g, dt) : v16_set1(1.f);
+            m[t] = kv_load16(at, c * 16, P->kv_dt, ks, dt);
+            v16_storef(value, kv_load16(at + row_bytes, c * 16, P->kv_dt, vs, dt));
+        }
+        v16_transpose16(m, tr);
+        for (int64_t l = 0; l < 16; l++) v16_storef(kt + (t0 / 16 * dim + c * 16 + l) * 16, tr[l]);
+    }
+}
+
+/* s[i * FLASH_KEYS + col ..+16] = FLASH_QV query vectors (q, dim apart) . the 16 keys of panel kt. */
+static inline __attribute__((always_inline)) void flash_scores(const float *q, const float *kt, int64_t dim,
+                                                               float *s, int64_t col) {
+    V16 a0 = v16_zero(), a1 = v16_zero(), a2 = v16_zero(), a3 = v16_zero(), a4 = v16_zero(), a5 = v16_zero();
+    for (int64_t d = 0; d < dim; d++) {
+        V16 k = v16_loadf(kt + d * 16);
+        a0 = v16_fmadd(v16_set1(q[d]), k, a0), a1 = v16_fmadd(v16_set1(q[dim + d]), k, a1);
+        a2 = v16_fmadd(v16_set1(q[2 * dim + d]), k, a2), a3 = v16_fmadd(v16_set1(q[3 * dim + d]), k, a3);
+        a4 = v16_fmadd(v16_set1(q[4 * dim + d]), k, a4), a5 = v16_fmadd(v16_set1(q[5 * dim + d]), k, a5);
+    }
+    v16_storef(s + col, a0), v16_storef(s + FLASH_KEYS + col, a1), v16_storef(s + 2 * FLASH_KEYS + col, a2);
+    v16_storef(s + 3 * FLASH_KEYS + col, a3), v16_storef(s + 4 * FLASH_KEYS + col, a4);
+    v16_storef(s + 5 * FLASH_KEYS + col, a5);
+}
+
+/* One query vector's scores s[0 .. width) (width a multiple of 16) become its softmax weights against its
+ * running max *m and sum *l: keys outside [a, e) weigh 0. Returns the factor its output so far is rescaled by. */
+static inline float flash_softmax(const Paged *P, float *s, int64_t width, int64_t a, int64_t e, float *m, float *l) {
+    if (a >= e) {
+        memset(s, 0, sizeof(float) * width);
+        return 1.f;
+    }
+    if (P->softcap > 0.f)
+        for (int64_t t = a; t < e; t++) s[t] = cap(P, s[t]);
+    for (int64_t t = 0; t < a; t++) s[t] = -INFINITY;
+    for (int64_t t = e; t < width; t++) s[t] = -INFINITY;
+    V16 top = v16_set1(-INFINITY), total = v16_zero();
+    for (int64_t t = 0; t < width; t += 16) top = v16_max(v16_loadf(s + t), top);
+    float block_max = v16_hmax(top), new_max = block_max > *m ? block_max : *m, alpha = expf(*m - new_max);
+    V16 shift = v16_set1(new_max);
+    for (int64_t t = 0; t < width; t += 16) v16_storef(s + t, exp16(v16_sub(v16_loadf(s + t), shift)));
+    for (int64_t t = 0; t < a; t++) s[t] = 0.f; /* exp16 leaves exp(-87.3) for -inf */
+    for (int64_t t = e; t < width; t++) s[t] = 0.f;
+    for (int64_t t = 0; t < width; t += 16) total = v16_add(total, v16_loadf(s + t));
+    *m = new_max, *l = *l * alpha + v16_sum(total);
+    return alpha;
+}
+
+/* o (FLASH_QV vectors, dim apart) = o * alpha + p . values, p FLASH_QV rows of weights (FLASH_KEYS apart) over
+ * the width values from vv (rows dim apart). */
+static inline __attribute__((always_inline)) void flash_values(float *o, const float *alpha, const float *p,
+                                                               const float *vv, int64_t width, int64_t dim) {
+    for (int64_t c = 0; c < dim; c += 16) {
+        V16 a0 = v16_mul(v16_loadf(o + c), v16_set1(alpha[0]));
+        V16 a1 = v16_mul(v16_loadf(o + dim + c), v16_set1(alpha[1]));
+        V16 a2 = v16_mul(v16_loadf(o + 2 * dim + c), v16_set1(alpha[2]));
+        V16 a3 = v16_mul(v16_loadf(o + 3 * dim + c), v16_set1(alpha[3]));
+        V16 a4 = v16_mul(v16_loadf(o + 4 * dim + c), v16_set1(alpha[4]));
+        V16 a5 = v16_mul(v16_loadf(o + 5 * dim + c), v16_set1(alpha[5]));
+        for (int64_t t = 0; t < width; t++) {
+            V16 v = v16_loadf(vv + t * dim + c);
+            a0 = v16_fmadd(v16_set1(p[t]), v, a0), a1 = v16_fmadd(v16_set1(p[FLASH_KEYS + t]), v, a1);
+            a2 = v16_fmadd(v16_set1(p[2 * FLASH_KEYS + t]), v, a2), a3 = v16_fmadd(v16_set1(p[3 * FLASH_KEYS + t]), v, a3);
+            a4 = v16_fmadd(v16_set1(p[4 * FLASH_KEYS + t]), v, a4), a5 = v16_fmadd(v16_set1(p[5 * FLASH_KEYS + t]), v, a5);
+        }
+        v16_storef(o + c, a0), v16_storef(o + dim + c, a1), v16_storef(o + 2 * dim + c, a2);
+        v16_storef(o + 3 * dim + c, a3), v16_storef(o + 4 * dim + c, a4), v16_storef(o + 5 * dim + c, a5);
+    }
+}
+
+typedef struct {
+    const Paged *P;
+    const void *q;
+    int64_t q_stride, nq, context_len, lo, rows_per_item;
+    const float *kt, *vv; /* the packed context of the KV head being attended */
+    void *out;
+    int dt;
+} FlashChunk;
+
+/* Query vectors j = r * G + h (row r0 + r, head g * G + h) of item (g, r0): queries scaled into qf, each one's
+ * keys [from, to) (counted from lo; padding vectors none), running max, sum and output cleared. */
+static int64_t flash_load(const FlashChunk *C, int64_t g, int64_t r0, float *qf, float *o, float *m, float *l,
+                          int64_t *from, int64_t *to) {
+    const Paged *P = C->P;
+    int64_t G = P->heads / P->kv_heads, dim = P->dim, rows = C->nq - r0 < C->rows_per_item ? C->nq - r0 : C->rows_per_item;
+    int64_t n = rows * G, padded = (n + FLASH_QV - 1) / FLASH_QV * FLASH_QV;
+    for (int64_t j = 0; j < padded; j++) {
+        int64_t r = r0 + j / G, end = C->context_len - C->nq + r + 1, first = P->window > 0 ? end - P->window : 0;
+        from[j] = j < n ? (first > 0 ? first : 0) - C->lo : 0, to[j] = j < n ? end - C->lo : 0;
+        m[j] = -INFINITY, l[j] = 0.f;
+        for (int64_t i = 0; i < dim; i++) {
+            qf[j * dim + i] = j < n ? load(C->q, r * C->q_stride + (g * G + j % G) * dim + i, C->dt) * P->scale : 0.f;
+            o[j * dim + i] = 0.f;
+        }
+    }
+    return padded;
+}
+
+static void flash_item(const FlashChunk *C, int64_t g, int64_t r0, float *scratch) {
+    const Paged *P = C->P;
+    int64_t dim = P->dim, G = P->heads / P->kv_heads, most = (C->rows_per_item * G + FLASH_QV - 1) / FLASH_QV * FLASH_QV;
+    float *qf = scratch, *o = qf + most * dim, *m = o + most * dim, *l = m + most, *s = l + most, alpha[FLASH_QV];
+    int64_t *from = (int64_t *)(s + FLASH_QV * FLASH_KEYS), *to = from + most;
+    int64_t n = flash_load(C, g, r0, qf, o, m, l, from, to), first = INT64_MAX, end = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (from[j] < to[j]) first = from[j] < first ? from[j] : first, end = to[j] > end ? to[j] : end;
+    for (int64_t k0 = first / 16 * 16; k0 < end; k0 += FLASH_KEYS) {
+        int64_t width = end - k0 < FLASH_KEYS ? (end - k0 + 15) / 16 * 16 : FLASH_KEYS;
+        for (int64_t j0 = 0; j0 < n; j0 += FLASH_QV) {
+            int64_t live = 0;
+            for (int64_t j = j0; j < j0 + FLASH_QV; j++) live |= from[j] < k0 + width && to[j] > k0;
+            if (!live) continue;
+            for (int64_t col = 0; col < width; col += 16)
+                flash_scores(qf + j0 * dim, C->kt + (k0 + col) * dim, dim, s, col);
+            for (int64_t i = 0; i < FLASH_QV; i++) {
+                int64_t a = from[j0 + i] - k0, e = to[j0 + i] - k0;
+                alpha[i] = flash_softmax(P, s + i * FLASH_KEYS, width, a > 0 ? a : 0, e < width ? e : width,
+                                         m + j0 + i, l + j0 + i);
+            }
+            flash_values(o + j0 * dim, alpha, s, C->vv + k0 * dim, width, dim);
+        }
+    }
+    for (int64_t j = 0; j < n; j++) {
+        if (from[j] >= to[j]) continue; /* padding */
+        int64_t at = ((r0 + j / G) * P->heads + g * G + j % G) * dim;
+        for (int64_t i = 0; i < dim; i++) store(C->out, at + i, o[j * dim + i] / l[j], C->dt);
+    }
+}
+
+/* Floats of one thread's flash_item scratch. */
+static int64_t flash_scratch(const Paged *P, int64_t rows_per_item) {
+    int64_t most = (rows_per_item * (P->heads / P->kv_heads) + FLASH_QV - 1) / FLASH_QV * FLASH_QV;
+    return (most * (2 * P->dim + 2 + 4) + FLASH_QV * FLASH_KEYS + 15) / 16 * 16; /* + from and to, int64 */
+}
+
+static int flash_chunk(FlashChunk *C, const void *kv_cache, const int64_t *table) {
+    const Paged *P = C->P;
+    int64_t first = C->context_len - C->nq + 1 - P->window;
+    C->lo = P->window > 0 && first > 0 ? first : 0;
+    int64_t span = C->context_len - C->lo, panels = (span + 15) / 16, dim = P->dim;
+    int64_t blocks = (C->nq + C->rows_per_item - 1) / C->rows_per_item, per_thread = flash_scratch(P, C->rows_per_item);
+    float *kt = alloc_lines(sizeof(float) * panels * 16 * dim * 2);
+    float *scratch = alloc_lines(sizeof(float) * per_thread * omp_get_max_threads());
+    if (!kt || !scratch) {
+        free(kt), free(scratch);
+        return -2;
+    }
+    C->kt = kt, C->vv = kt + panels * 16 * dim;
+#pragma omp parallel
+    for (int64_t g = 0; g < P->kv_heads; g++) { /* one KV head's panels at a time: memory O(context x dim) */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) flash_pack(P, kv_cache, table, C->lo, span, p * 16, g, C->dt, kt, kt + panels * 16 * dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = blocks - 1; b >= 0; b--) /* the last rows see the most keys: first */
+            flash_item(C, g, b * C->rows_per_item, scratch + per_thread * omp_get_thread_num());
+    }
+    free(kt), free(scratch);
+    return 0;
+}
+#endif
+
+/* One request's prompt chunk: nq query rows (q rows q_stride elements apart, heads dim apart) at positions
+ * context_len - nq .. context_len - 1, each over its causal context (window > 0: its last `window` tokens;
+ * softcap > 0: scores soft-capped) in the paged cache (its block table `table`), this step's keys and values
+ * already stored; out is [nq, heads, dim]. Without the vector kernels (or head dims not a multiple of 16, or
+ * more than 256), the chunk's rows go to pr_paged_decode_attention instead. Returns -2 if scratch cannot be
+ * allocated. */
+int pr_paged_prompt_attention(const void *q, int64_t q_stride, const void *kv_cache, const int64_t *table,
+                              int64_t nq, int64_t context_len, int64_t heads, int64_t kv_heads, int64_t dim,
+                              int64_t block_size, int64_t window, float scale, float softcap, void *out, int dt,
+                              int kv_dt, float *kv_scale) {
+#ifdef VEC16
+    if (dim % 16 == 0 && dim <= 16 * MAX_CHUNKS) {
+        Paged P = {table, NULL, 0, block_size, heads, kv_heads, dim, window, scale, softcap, kv_dt, kv_scale};
+        int64_t per_item = FLASH_QVECS / (heads / kv_heads);
+        FlashChunk C = {&P, q, q_stride, nq, context_len, 0, per_item > 1 ? per_item : 1, NULL, NULL, out, dt};
+        return flash_chunk(&C, kv_cache, table);
+    }
+#endif
+    int64_t *context_lens = malloc(sizeof(int64_t) * nq);
+    if (!context_lens) return -2;
+    for (int64_t r = 0; r < nq; r++) context_lens[r] = context_len - nq + r + 1;
+    int rc = pr_paged_decode_attention(q, q_stride, kv_cache, table, 0, context_lens, nq, heads, kv_heads, dim,
+                                       block_size, window, scale, softcap, out, dt, kv_dt, kv_scale);
+    free(context_lens);
+    return rc;
+}
 /* ==== GGUF block-quantized weights ================================================================
  *
  * Weights stay in llama.cpp's GGUF blocks (ggml-common.h layouts): a weight is [N, row_bytes] bytes, row

@@ -121,6 +121,51 @@ def test_attention_reads_strided_query_rows():
     assert torch.allclose(out, gathered_attention(q, kv_cache, tables, lens, block_size, 0.125), atol=1e-5)
 
 
+def causal_reference(q, kv_cache, table, context_len, block_size, scale, window=0):
+    """Reference for a prompt chunk: q's rows are the last queries of the context; float32 SDPA, masked."""
+    t = torch.arange(context_len)
+    context = kv_cache[table[t // block_size] * block_size + t % block_size].float()
+    positions = torch.arange(context_len - q.shape[0], context_len)
+    mask = t[None] <= positions[:, None]
+    if window:
+        mask &= t[None] > positions[:, None] - window
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), context[:, 0].transpose(0, 1),
+                                         context[:, 1].transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (8, 1, 48), (6, 2, 40)])
+@pytest.mark.parametrize("queries,context,window", [(45, 45, 0), (100, 300, 0), (257, 257, 0), (70, 200, 50)])
+def test_paged_prompt_attention(dtype, heads, kv_heads, dim, queries, context, window):
+    """A prompt chunk (a whole prompt, or the last queries of a longer context) in flash blocks: GQA ratios
+    1/3/4/8 (items of 16, 48 and 6 rows; query vectors padded to whole groups of 6), contexts that end
+    inside a block of 16 and of 64 keys, a window that starts past the first key, over a shuffled table;
+    head dim 40 goes to the row kernel instead."""
+    block_size = 16
+    g = torch.Generator().manual_seed(heads * dim + queries)
+    num_blocks = -(-context // block_size) + 3
+    kv_cache = torch.randn(num_blocks * block_size, 2, kv_heads, dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)
+    q = torch.randn(queries, heads, dim, generator=g).to(dtype)
+    out = cpu.cpu_paged_prompt_attention(q, kv_cache, table, context, block_size, dim ** -0.5, window)
+    ref = causal_reference(q, kv_cache, table, context, block_size, dim ** -0.5, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and (out.float() - ref).abs().max() <= tolerance
+
+
+def test_prompt_attention_reads_strided_query_rows_and_refuses_a_short_table():
+    heads, kv_heads, dim, block_size = 4, 2, 64, 16
+    qkv = torch.randn(40, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].view(40, heads, dim)
+    kv_cache = torch.randn(64, 2, kv_heads, dim)
+    table = torch.tensor([3, 0, 2, 1])
+    out = cpu.cpu_paged_prompt_attention(q, kv_cache, table, 50, block_size, 0.125)
+    assert torch.allclose(out, causal_reference(q, kv_cache, table, 50, block_size, 0.125), atol=1e-5)
+    with pytest.raises(ValueError, match="needs a contiguous table of 5 blocks"):
+        cpu.cpu_paged_prompt_attention(q, kv_cache, table, 65, block_size, 0.125)
+
+
 # Each family's layer the compiled decode step describes differently: Llama (qkv bias), Qwen3 (q/k norms),
 # Gemma 3 (four (1 + w) norms, q/k norms, GeGLU, its query scale), Phi-3 (partial rotary: 12 of 16 dims).
 _SHAPE = {"vocab_size": 100, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1,

@@ -194,6 +194,28 @@ def test_c_attention_gives_a_prompt_chunks_rows_in_tiles_the_bits_of_each_row_al
 
 
 @kernels
+@pytest.mark.parametrize("name,dtype,window,softcap,heads,kv_heads,dim",
+                         [pytest.param(*p.values, 0, 0., 9, 3, 64, id=p.id) for p in EVERY_CACHE] +
+                         [pytest.param("auto", torch.float32, 20, 0., 9, 3, 64, id="window"),
+                          pytest.param("auto", torch.float32, 0, 5., 9, 3, 64, id="softcap"),
+                          pytest.param("auto", torch.float32, 0, 0., 8, 2, 128, id="4-heads-a-kv-head")])
+def test_c_prompt_attention_reads_every_cache_as_the_rows_do(name, dtype, window, softcap, heads, kv_heads, dim):
+    """The flash kernel packs a chunk's context as the row kernel reads it (an 8-bit cache's values times
+    their scales, in fp32; a bfloat16 cache widened), windowed and soft-capped alike: the chunk's rows agree
+    with the row kernel's within fp32 summation order (bfloat16: a rounding of the output)."""
+    block_size, num_blocks, context, queries = 16, 16, 230, 150
+    cache, scale = any_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=11)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randperm(num_blocks, generator=g)
+    q = torch.randn(queries, heads, dim, generator=g).to(dtype)
+    out = cpu.cpu_paged_prompt_attention(q, cache, table, context, block_size, 0.125, window, softcap, scale)
+    rows = cpu.cpu_paged_decode_attention(q, cache, table.expand(queries, -1), torch.arange(81, 231), block_size,
+                                          0.125, window, softcap, kv_scale=scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out.float() - rows.float()).abs().max() <= tolerance
+
+
+@kernels
 def test_c_kernel_refuses_an_8_bit_cache_without_its_scales():
     cache, _ = empty_cache("int8", 16, 1, 16)
     with pytest.raises(ValueError, match="needs its contiguous float32 kv_scale"):
