@@ -28,14 +28,14 @@ ITEMS = [(0, 1, 0), (4, 1, 0), (39, 1, 0), (70, 1, 0), (100, 1, 0), (50, 4, 3), 
 WINDOWS = [None, 1, 20, 33, 500]
 
 
-def make_step(block_size: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
+def make_step(block_size: int, heads: int, kv_heads: int, dim: int, seed: int = 0, step_items=ITEMS):
     g = torch.Generator().manual_seed(seed)
-    items = [BatchItem(start, [1] * n, spec, row) for row, (start, n, spec) in enumerate(ITEMS)]
+    items = [BatchItem(start, [1] * n, spec, row) for row, (start, n, spec) in enumerate(step_items)]
     items = [items[i] for i in layout_order(items)]
     per_item = [-(-(s.start + len(s.token_ids)) // block_size) for s in items]
     num_blocks = sum(per_item) + 2
     order = torch.randperm(num_blocks, generator=g).numpy()
-    tables = np.zeros((len(ITEMS), max(per_item)), np.int32)
+    tables = np.zeros((len(step_items), max(per_item)), np.int32)
     used = 0
     for s, n in zip(items, per_item):
         tables[s.table_row, :n] = order[used:used + n]
@@ -83,13 +83,31 @@ def test_matches_torch_backend(backend, window, softcap, shape):
     shape = SHAPES[shape]
     batch, cache, q, k, v = make_step(*shape)
     ref = attend(torch_backend.build_metadata, batch, cache, q, k, v, window, softcap)
-    # The CPU backend runs prompt chunks as the torch backend does, gathering their whole context.
-    poisoned = batch.num_items if backend == "triton" else batch.num_decodes + batch.num_verifies
-    out = attend(BACKENDS[backend], batch, poison_before_windows(batch, cache, window, poisoned), q, k, v, window,
-                 softcap)
+    out = attend(BACKENDS[backend], batch, poison_before_windows(batch, cache, window, batch.num_items), q, k, v,
+                 window, softcap)
     assert torch.isfinite(out).all(), "a kernel read a slot before a query's window"
     error = ((out - ref).abs().max() / ref.abs().max()).item()
     assert error <= 1e-4, f"max relative error {error:.2e}"
+
+
+# Past 512 keys of context and 128 x 128 queries x keys, a prompt chunk is the flash kernel's: a whole prompt of
+# 600 and 200 queries after 400 cached tokens; the 7 queries after 600 and the 20 after 20 stay kernel rows.
+LONG_ITEMS = [(0, 1, 0), (300, 1, 0), (20, 20, 0), (400, 200, 0), (0, 600, 0), (600, 7, 0)]
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU kernels are off here")
+@pytest.mark.parametrize("window,softcap", [(None, None), (100, 3.0)], ids=["plain", "window-softcap"])
+def test_cpu_backend_sends_long_chunks_to_the_flash_kernel(window, softcap):
+    batch, cache, q, k, v = make_step(16, 4, 2, 64, step_items=LONG_ITEMS)
+    meta = cpu_backend.build_metadata(batch, DEVICE)
+    flash = sorted(group.num_rows for group in meta.decodes if isinstance(group, cpu_backend.PromptChunk))
+    rows = sum(group.num_rows for group in meta.decodes if isinstance(group, cpu_backend.DecodeRows))
+    assert flash == [200, 600] and rows == 2 + 20 + 7
+    assert meta.prefills == [] and not meta.rows_only
+    ref = attend(torch_backend.build_metadata, batch, cache, q, k, v, window, softcap)
+    out = attend(cpu_backend.build_metadata, batch, poison_before_windows(batch, cache, window, batch.num_items),
+                 q, k, v, window, softcap)
+    assert torch.isfinite(out).all() and ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
 
 def test_window_and_cap_change_the_result():
