@@ -16,13 +16,13 @@ What it measures
 
     ``--prompts``: prompt chunks instead, one request's queries x its context (a whole prompt, or a chunk of
     one after the tokens before it), float32 and bfloat16, the cache in the caches as a chunk's is (its step
-    just stored it). Three ways,
-    in the same run:
-    - ``tiles``: the kernel as the engine runs it, a chunk's rows in tiles of 8 that read each key and value
-      once for all of them;
-    - ``rows``: the same kernel attending each row alone (``attention_tile_rows(1)``): same bits, the before;
-    - ``sdpa``: the torch backend's path for a chunk, which the CPU backend took for chunks past 128 x 128
-      keys: SDPA (causal) over the prompt's own K/V, or over its context gathered from the paged cache.
+    just stored it). Four ways, in the same run:
+    - ``flash``: ``cpu_paged_prompt_attention``, the engine's path for chunks of 32 queries or more;
+    - ``tiles``: the row kernel, a chunk's rows in tiles of 8 that read each key and value once for all of
+      them (the engine's path for shorter chunks, and for all chunks up to 512 keys before ``flash``);
+    - ``rows``: the same kernel attending each row alone (``attention_tile_rows(1)``): same bits;
+    - ``sdpa``: the torch backend's path for a chunk, which the CPU backend took for longer chunks before
+      ``flash``: SDPA (causal) over the prompt's own K/V, or over its context gathered from the paged cache.
     GFLOP/s counts the causal products: 4 x dim x heads x the keys each query sees.
 
 How to run
@@ -54,7 +54,7 @@ HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 SHAPES = ((1, 512), (4, 512), (16, 512), (128, 512), (16, 2000))
 CACHES = {"f32 q, bf16 cache": (torch.float32, torch.bfloat16), "float32": (torch.float32, torch.float32),
           "bfloat16": (torch.bfloat16, torch.bfloat16)}
-PROMPTS = ((32, 32), (128, 128), (512, 512), (2048, 2048), (128, 1024), (256, 2048))  # queries x context
+PROMPTS = ((8, 1024), (32, 32), (32, 512), (128, 128), (512, 512), (2048, 2048), (128, 1024), (256, 2048))  # q x ctx
 STREAM_BYTES = 512 << 20  # copies cycled through: far more than the last-level cache
 
 
@@ -105,13 +105,14 @@ def prompt_case(queries: int, context: int, dtype: torch.dtype, repeats: int, ge
     q = torch.randn(queries, HEADS, DIM, generator=gen).to(dtype)
     slots = (table[:, None] * BLOCK + torch.arange(BLOCK)).view(-1)[:context]
     kernel = lambda _: cpu.cpu_paged_decode_attention(q, cache, tables, lens, BLOCK, DIM ** -0.5)  # noqa: E731
+    flash = lambda _: cpu.cpu_paged_prompt_attention(q, cache, table, context, BLOCK, DIM ** -0.5)  # noqa: E731
     if queries == context:  # a whole prompt: SDPA over its own K/V, as the engine passes them (no gather)
         k, v = cache[slots, 0].contiguous(), cache[slots, 1].contiguous()
         sdpa = lambda _: _attend(q, k, v, None, DIM ** -0.5)  # noqa: E731
     else:  # a later chunk: its context gathered from the cache, a causal mask
         mask = causal_mask(queries, context, q.device)
         sdpa = lambda _: _attend(q, *kv_quant.gather(cache, None, slots, dtype).unbind(1), mask, DIM ** -0.5)  # noqa: E731
-    ms = {}
+    ms = {"flash": best_ms(flash, [None], repeats)}
     for way, tile_rows in (("tiles", 8), ("rows", 1)):
         cpu.attention_tile_rows(tile_rows)
         ms[way] = best_ms(kernel, [None], repeats)
@@ -120,20 +121,22 @@ def prompt_case(queries: int, context: int, dtype: torch.dtype, repeats: int, ge
     flops = 4 * DIM * HEADS * int(lens.sum())
     return {"queries": queries, "context": context, **{f"{w}_ms": t for w, t in ms.items()},
             **{f"{w}_gflop_s": flops / t / 1e6 for w, t in ms.items()},
+            "flash_vs_tiles": ms["tiles"] / ms["flash"], "flash_vs_sdpa": ms["sdpa"] / ms["flash"],
             "tiles_vs_rows": ms["rows"] / ms["tiles"], "tiles_vs_sdpa": ms["sdpa"] / ms["tiles"]}
 
 
 def run_prompts(args, out) -> None:
     busy_before, gen = others_busy_cores(), torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'dtype':10}{'queries x ctx':>15}{'tiles ms':>10}{'rows ms':>10}{'sdpa ms':>10}{'GFLOP/s':>9}"
-          f"{'vs rows':>9}{'vs sdpa':>9}")
+    print(f"{'dtype':10}{'queries x ctx':>15}{'flash ms':>10}{'tiles ms':>10}{'rows ms':>10}{'sdpa ms':>10}"
+          f"{'GFLOP/s':>9}{'vs tiles':>9}{'vs sdpa':>9}")
     for dtype in (torch.float32, torch.bfloat16):
         for queries, context in PROMPTS:
             r = {"dtype": str(dtype)[6:], **prompt_case(queries, context, dtype, args.repeats, gen)}
             rows.append(r)
-            print(f"{r['dtype']:10}{f'{queries}x{context}':>15}{r['tiles_ms']:10.3f}{r['rows_ms']:10.3f}"
-                  f"{r['sdpa_ms']:10.3f}{r['tiles_gflop_s']:9.1f}{r['tiles_vs_rows']:8.2f}x{r['tiles_vs_sdpa']:8.2f}x")
+            print(f"{r['dtype']:10}{f'{queries}x{context}':>15}{r['flash_ms']:10.3f}{r['tiles_ms']:10.3f}"
+                  f"{r['rows_ms']:10.3f}{r['sdpa_ms']:10.3f}{r['flash_gflop_s']:9.1f}{r['flash_vs_tiles']:8.2f}x"
+                  f"{r['flash_vs_sdpa']:8.2f}x")
     machine = machine_info()
     result = {"machine": machine, "threads": args.threads, "isa": args.isa or "auto",
               "others_busy_cores": (busy_before, others_busy_cores()), "load_average": os.getloadavg(), "rows": rows}
@@ -145,9 +148,10 @@ def run_prompts(args, out) -> None:
 def draw_prompts(plt, rows: list[dict], title: str):
     fig, ax = plt.subplots(figsize=(11, 4.5))
     x = range(len(rows))
-    for i, (way, label) in enumerate((("tiles", "kernel, tiles of 8 rows"), ("rows", "kernel, each row alone"),
-                                      ("sdpa", "torch SDPA (the chunk path before)"))):
-        ax.bar([j + (i - 1) * 0.27 for j in x], [r[f"{way}_gflop_s"] for r in rows], 0.27, label=label)
+    ways = (("flash", "flash kernel (chunks of 32+ queries)"), ("tiles", "row kernel, tiles of 8 rows"),
+            ("rows", "row kernel, each row alone"), ("sdpa", "torch SDPA (long chunks before)"))
+    for i, (way, label) in enumerate(ways):
+        ax.bar([j + (i - 1.5) * 0.2 for j in x], [r[f"{way}_gflop_s"] for r in rows], 0.2, label=label)
     ax.set_xticks(list(x), [f"{r['dtype']}\n{r['queries']}x{r['context']}" for r in rows], fontsize=7)
     ax.set_ylabel("GFLOP/s (causal products)")
     ax.set_title(title, fontsize=9)
