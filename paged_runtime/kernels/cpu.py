@@ -538,9 +538,11 @@ def cpu_paged_prompt_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
     length, heads, dim = q.shape
     if q.stride(1) != dim or q.stride(2) != 1:
         raise ValueError("q's heads must be contiguous within a row")
-    if not length <= context_len <= block_table.shape[0] * block_size or not block_table.is_contiguous():
-        raise ValueError(f"a chunk of {length} queries at context {context_len} needs a contiguous table of "
-                         f"{-(-context_len // block_size)} blocks or more; got {tuple(block_table.shape)}")
+    if (not length <= context_len <= block_table.shape[0] * block_size or block_table.dim() != 1
+            or block_table.dtype != torch.int64 or not block_table.is_contiguous()):
+        raise ValueError(f"a chunk of {length} queries at context {context_len} needs a contiguous int64 table of "
+                         f"{-(-context_len // block_size)} blocks or more; got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
     out = torch.empty(length, heads, dim, dtype=q.dtype)
     rc = _lib().pr_paged_prompt_attention(
         _p(q), q.stride(0), _p(kv_cache), _p(block_table), length, context_len, heads, kv_cache.shape[2], dim,

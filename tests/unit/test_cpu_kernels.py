@@ -154,7 +154,7 @@ def test_paged_prompt_attention(dtype, heads, kv_heads, dim, queries, context, w
     assert out.dtype == dtype and (out.float() - ref).abs().max() <= tolerance
 
 
-def test_prompt_attention_reads_strided_query_rows_and_refuses_a_short_table():
+def test_prompt_attention_reads_strided_query_rows_and_refuses_a_table_it_cannot_read():
     heads, kv_heads, dim, block_size = 4, 2, 64, 16
     qkv = torch.randn(40, (heads + 2 * kv_heads) * dim)
     q = qkv[:, :heads * dim].view(40, heads, dim)
@@ -162,8 +162,9 @@ def test_prompt_attention_reads_strided_query_rows_and_refuses_a_short_table():
     table = torch.tensor([3, 0, 2, 1])
     out = cpu.cpu_paged_prompt_attention(q, kv_cache, table, 50, block_size, 0.125)
     assert torch.allclose(out, causal_reference(q, kv_cache, table, 50, block_size, 0.125), atol=1e-5)
-    with pytest.raises(ValueError, match="needs a contiguous table of 5 blocks"):
-        cpu.cpu_paged_prompt_attention(q, kv_cache, table, 65, block_size, 0.125)
+    for bad_table, context in ((table, 65), (table.int(), 50), (table[None], 50)):
+        with pytest.raises(ValueError, match=f"needs a contiguous int64 table of {-(-context // 16)} blocks"):
+            cpu.cpu_paged_prompt_attention(q, kv_cache, bad_table, context, block_size, 0.125)
 
 
 # Each family's layer the compiled decode step describes differently: Llama (qkv bias), Qwen3 (q/k norms),
