@@ -37,6 +37,11 @@ from paged_runtime.kernels import cpu as cpu_kernels
 _UNIT_FP8_SCALES = torch.ones(2)  # (k_scale, v_scale) = 1: fp8 values read as they are
 
 
+def _read_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The scales the kernels read the cache with: an fp8 cache's are applied by the caller (None), so unit ones."""
+    return _UNIT_FP8_SCALES if kv_scale is None and kv_cache.dtype == torch.float8_e4m3fn else kv_scale
+
+
 @dataclass(slots=True)
 class DecodeRows:
     row_start: int
@@ -50,16 +55,14 @@ class DecodeRows:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
                softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_scale is None and kv_cache.dtype == torch.float8_e4m3fn:  # the caller applies fp8's scales
-            kv_scale = _UNIT_FP8_SCALES
         return cpu_kernels.cpu_paged_decode_attention(q, kv_cache, self.block_tables, self.context_lens,
                                                       self.block_size, scale, window or 0, softcap or 0.,
-                                                      kv_scale)
+                                                      _read_scale(kv_cache, kv_scale))
 
 
 @dataclass(slots=True)
 class PromptChunk:
-    """One request's prompt chunk of ``query_len`` rows from ``row_start``: the last queries of its context."""
+    """One request's prompt chunk of ``num_rows`` rows from ``row_start``: the last queries of its context."""
     row_start: int
     num_rows: int
     block_table: torch.Tensor  # [max_blocks] int64: the request's table
@@ -68,10 +71,9 @@ class PromptChunk:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None = None,
                softcap: float | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_scale is None and kv_cache.dtype == torch.float8_e4m3fn:  # the caller applies fp8's scales
-            kv_scale = _UNIT_FP8_SCALES
         return cpu_kernels.cpu_paged_prompt_attention(q, kv_cache, self.block_table, self.context_len,
-                                                      self.block_size, scale, window or 0, softcap or 0., kv_scale)
+                                                      self.block_size, scale, window or 0, softcap or 0.,
+                                                      _read_scale(kv_cache, kv_scale))
 
 
 @dataclass(slots=True)

@@ -538,12 +538,17 @@ def cpu_paged_prompt_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
     length, heads, dim = q.shape
     if q.stride(1) != dim or q.stride(2) != 1:
         raise ValueError("q's heads must be contiguous within a row")
+    if kv_cache.dim() != 4 or kv_cache.shape[3] != dim or heads % kv_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} cannot read a cache of shape {tuple(kv_cache.shape)}: it needs "
+                         "[slots, 2, kv_heads, head_dim] with the query heads a multiple of kv_heads")
     if (not length <= context_len <= block_table.shape[0] * block_size or block_table.dim() != 1
             or block_table.dtype != torch.int64 or not block_table.is_contiguous()):
         raise ValueError(f"a chunk of {length} queries at context {context_len} needs a contiguous int64 table of "
                          f"{-(-context_len // block_size)} blocks or more; got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")
     out = torch.empty(length, heads, dim, dtype=q.dtype)
+    if not length:
+        return out
     rc = _lib().pr_paged_prompt_attention(
         _p(q), q.stride(0), _p(kv_cache), _p(block_table), length, context_len, heads, kv_cache.shape[2], dim,
         block_size, window, scale, softcap, _p(out), DTYPES[q.dtype], *_kv_args(kv_cache, kv_scale, q.dtype))

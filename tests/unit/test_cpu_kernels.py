@@ -139,7 +139,7 @@ def causal_reference(q, kv_cache, table, context_len, block_size, scale, window=
 @pytest.mark.parametrize("queries,context,window", [(45, 45, 0), (100, 300, 0), (257, 257, 0), (70, 200, 50)])
 def test_paged_prompt_attention(dtype, heads, kv_heads, dim, queries, context, window):
     """A prompt chunk (a whole prompt, or the last queries of a longer context) in flash blocks: GQA ratios
-    1/3/4/8 (items of 16, 48 and 6 rows; query vectors padded to whole groups of 6), contexts that end
+    1/3/4/8 (items of 48, 16, 12 and 6 rows; query vectors padded to whole groups of 6), contexts that end
     inside a block of 16 and of 64 keys, a window that starts past the first key, over a shuffled table;
     head dim 40 goes to the row kernel instead."""
     block_size = 16
@@ -162,9 +162,14 @@ def test_prompt_attention_reads_strided_query_rows_and_refuses_a_table_it_cannot
     table = torch.tensor([3, 0, 2, 1])
     out = cpu.cpu_paged_prompt_attention(q, kv_cache, table, 50, block_size, 0.125)
     assert torch.allclose(out, causal_reference(q, kv_cache, table, 50, block_size, 0.125), atol=1e-5)
-    for bad_table, context in ((table, 65), (table.int(), 50), (table[None], 50)):
+    # too short; int32; two-dimensional; strided (each but the first long enough for 50 tokens)
+    for bad_table, context in ((table, 65), (table.int(), 50), (table.repeat(4)[None], 50),
+                               (table.repeat(2)[::2], 50)):
         with pytest.raises(ValueError, match=f"needs a contiguous int64 table of {-(-context // 16)} blocks"):
             cpu.cpu_paged_prompt_attention(q, kv_cache, bad_table, context, block_size, 0.125)
+    with pytest.raises(ValueError, match="query heads a multiple of kv_heads"):
+        cpu.cpu_paged_prompt_attention(q[:, :3], kv_cache, table, 50, block_size, 0.125)
+    assert cpu.cpu_paged_prompt_attention(q[:0], kv_cache, table, 50, block_size, 0.125).shape == (0, heads, dim)
 
 
 # Each family's layer the compiled decode step describes differently: Llama (qkv bias), Qwen3 (q/k norms),
