@@ -670,6 +670,13 @@ class DecodeStack:
         self.kv_dt = _kv_dt(first.kv_cache, dtype)
         # whether any matrix has adapter slots (then a step's rows may run adapters)
         self.lora = any(getattr(d, name).lora is not None for d in layers for name in MATRICES)
+        # The most rows a call takes (None: any). Products take MAX_ROWS rows a pass, each thread's run of the
+        # weights staying in its cache between passes. Op by op, GGUF blocks take the same kernel in the same
+        # passes, so one call only saves the per-op dispatch (33-128 rows of the default model: 1.07-1.2x a
+        # step, 2-core Zen 3); plain weights take oneDNN's GEMMs there (packed on AVX-512), not measured
+        # against the passes, so a stack with any plain matrix keeps to max_rows().
+        plain = any(qtype == PLAIN for d in layers for name in MATRICES for _, qtype in getattr(d, name).parts)
+        self.max_rows = max_rows() if plain else None
         self.layers = layers  # keeps every tensor the array points into alive
         self.weights = [_layer_weights(d, dtype) for d in layers]  # the structs the array's pointers name
         self.array = (_StackLayer * len(layers))(*(_stack_layer(d, w, dtype) for d, w in zip(layers, self.weights)))
@@ -677,11 +684,12 @@ class DecodeStack:
     def run(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
             lora_slots: torch.Tensor | None = None) -> None:
-        """The layers over a step of at most max_rows() one-token query rows, in one call (one thread team): each
-        stores its K/V in its cache, x (the first layer's input) becomes the last layer's output and residual is
-        advanced (zeros before the first layer). ``positions``: the rows of the RoPE tables. ``lora_slots``: each
-        row's adapter slot (int64, -1: none; ``LoRAStep.row_slots``), or None: no row runs one; its delta joins
-        every product of a matrix with slots, as ``cpu_lora_delta`` adds it op by op."""
+        """The layers over a step of one-token query rows (at most ``self.max_rows``, where the caller routes), in
+        one call (one thread team): each stores its K/V in its cache, x (the first layer's input) becomes the
+        last layer's output and residual is advanced (zeros before the first layer). ``positions``: the rows of
+        the RoPE tables. ``lora_slots``: each row's adapter slot (int64, -1: none; ``LoRAStep.row_slots``), or
+        None: no row runs one; its delta joins every product of a matrix with slots, as ``cpu_lora_delta`` adds it
+        op by op."""
         if x.dtype != self.dtype:
             raise ValueError(f"this decode stack computes in {self.dtype}, not {x.dtype}")
         if lora_slots is not None and not self.lora:

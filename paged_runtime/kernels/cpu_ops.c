@@ -2794,8 +2794,12 @@ static void matrix_part(const Matrix *W, const void *bias, int64_t K, int dt, co
         /* the part's columns: out and bias shifted by its first row, rows still N apart */
         void *cols = (char *)out + first * elem;
         const void *b = bias ? (const char *)bias + first * elem : NULL;
-        if (part->type == PLAIN) linear_rows(part->data, b, lo, hi, N, K, dt, xf, M, cols);
-        else gguf_linear_rows(part->data, (int)part->type, b, lo, hi, N, K, a, M, cols, dt);
+        for (int64_t m = 0; m < M; m += MAX_ROWS) { /* the part's rows of this thread stay in its cache */
+            int rows = (int)(M - m < MAX_ROWS ? M - m : MAX_ROWS);
+            void *at = (char *)cols + m * N * elem;
+            if (part->type == PLAIN) linear_rows(part->data, b, lo, hi, N, K, dt, xf + m * K, rows, at);
+            else gguf_linear_rows(part->data, (int)part->type, b, lo, hi, N, K, gguf_acts_from(a, m, K), rows, at, dt);
+        }
     }
 }
 
@@ -2822,7 +2826,7 @@ static int matrix_check(const Matrix *W, int64_t K) {
 }
 
 typedef struct {
-    int64_t rows; /* M <= MAX_ROWS single-token decodes */
+    int64_t rows; /* M single-token decodes (products take them MAX_ROWS at a time) */
     const int64_t *positions, *slots; /* positions: the rows of the RoPE tables (LongRoPE's offsets in) */
     const int64_t *lora_slots;        /* each row's adapter slot (-1: none); NULL: no row runs an adapter */
     Paged paged;                      /* the common terms; window, scale, softcap and kv_scale are each layer's */
@@ -2953,7 +2957,7 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
     int64_t M = S->rows, threads = omp_get_max_threads(), elem = dt == BF16 ? 2 : 4;
     int64_t per_thread = attention_scratch(&S->paged, max_context(S->paged.context_lens, M));
     int64_t widest = 0, qkv_size = 0, H = 0, I = 0, lora = 0, slots = INT64_MAX;
-    if (M < 1 || M > MAX_ROWS || n < 1) return -1;
+    if (M < 1 || n < 1) return -1;
     for (int64_t l = 0; l < n; l++) {
         const LayerWeights *W = layers[l].weights;
         const Paged *P = &S->paged;
@@ -2968,14 +2972,18 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
         H = W->hidden > H ? W->hidden : H, I = W->intermediate > I ? W->intermediate : I;
         qkv_size = q_size + 2 * P->kv_heads * P->dim;
     }
-    int64_t row[MAX_ROWS], slot[MAX_ROWS], first[MAX_ROWS + 1];
-    LoraRows groups = {0, slot, first, row};
-    if (S->lora_slots && lora && lora_rows(S->lora_slots, M, slots, &groups)) return -1;
     /* fp32 input of the next linear | attention scratch | adapter shrink | qkv (dt) | o output (dt) | gate_up
-     * (dt) | that input as int8 runs, for GGUF parts */
+     * (dt) | that input as int8 runs, for GGUF parts | the adapter rows' groups (LoraRows: 3 M + 1 int64) */
     int64_t floats = M * widest + per_thread * threads + M * lora, dts = elem * M * (qkv_size + H + 2 * I);
-    char *buffer = alloc_lines(sizeof(float) * floats + dts + gguf_acts_bytes(M, widest));
+    int64_t groups_at = (sizeof(float) * floats + dts + gguf_acts_bytes(M, widest) + 63) / 64 * 64;
+    char *buffer = alloc_lines(groups_at + sizeof(int64_t) * (3 * M + 1));
     if (!buffer) return -2;
+    int64_t *row = (int64_t *)(buffer + groups_at), *slot = row + M, *first = slot + M;
+    LoraRows groups = {0, slot, first, row};
+    if (S->lora_slots && lora && lora_rows(S->lora_slots, M, slots, &groups)) {
+        free(buffer);
+        return -1;
+    }
     LayerWork w;
     w.xf = (float *)buffer, w.scratch = w.xf + M * widest, w.u = w.scratch + per_thread * threads;
     w.qkv = (char *)(w.u + M * lora), w.attn_out = w.qkv + elem * M * qkv_size;

@@ -5,8 +5,9 @@
   the oracle for the other set.
 - ``CpuKernelOps``: the ``paged_runtime::cpu_*`` ops (``kernels/cpu.py``). A decode
   step's few rows stream each weight matrix once; norm, RoPE and SwiGLU are one call
-  each instead of a dozen small tensor ops (a decode step of at most ``max_rows()``
-  rows runs all the decoder layers as one call instead: ``worker/cpu_decode_plan.py``). It rounds to the model
+  each instead of a dozen small tensor ops (a decode step of at most ``max_rows()`` rows, of any number
+  where every matrix is GGUF blocks, runs all the decoder layers as one call instead:
+  ``worker/cpu_decode_plan.py``). It rounds to the model
   dtype at the same points as ``TorchOps``, so the sets differ in the order of fp32
   sums (and attention keeps its probabilities in fp32). Larger batches multiply with
   oneDNN (mid-size ones over packed weights). Partial rotary (tables narrower than a

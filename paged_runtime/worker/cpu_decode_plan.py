@@ -4,7 +4,8 @@
 After the weights load and the caches are bound, the runner asks the model once to describe its decoder layers
 (``describe_decoder_layers``: ``layers/decode_plan.py``) and builds the C structs once (``kernels.cpu.
 DecodeStack``). A step of one-token query rows only (decodes and verification rows, the CPU backend's
-``rows_only``), at most ``max_rows()`` of them, hands the model this plan as its ``decoder``: the model's one
+``rows_only``), at most the stack's ``max_rows`` of them (any number where every matrix is GGUF blocks), hands
+the model this plan as its ``decoder``: the model's one
 ``forward`` embeds, lets the plan run every layer, and applies its final norm. Other steps, and models whose
 layers cannot be described (experts, weight formats the kernels do not read, tensor-parallel shards), run op
 by op; the reason is logged once.
@@ -33,7 +34,6 @@ class CpuDecodePlan:
         description the kernels refuse)."""
         layers = model.describe_decoder_layers()
         self.stack = cpu_kernels.DecodeStack(layers, dtype)
-        self.max_rows = cpu_kernels.max_rows()
         # the row -> slot map the layers' adapter slots share (one LoRAStep per model), or None: LoRA is off
         self.lora_step = next((m.lora.step for d in layers for m in (d.qkv, d.o, d.gate_up, d.down)
                                if m.lora is not None), None)
@@ -49,7 +49,7 @@ class CpuDecodePlan:
 
     def decoder(self, meta):
         """What the model's forward runs its layers with for this step (``run``), or None: op by op."""
-        if meta.rows_only and meta.num_tokens <= self.max_rows:
+        if meta.rows_only and (self.stack.max_rows is None or meta.num_tokens <= self.stack.max_rows):
             return self.run
         return None
 

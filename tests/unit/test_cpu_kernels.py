@@ -216,11 +216,12 @@ def _decode_layer_case(dtype, rows, method=None, parts=None, family="llama"):
                 linear.qweight.weight_loader(linear.qweight, raw, shard)
                 linear.qweight_type.weight_loader(linear.qweight_type, torch.full((len(raw),), qtype), shard)
             linear.process_weights_after_loading()
-    block_size, lens = 16, torch.tensor([1, 40, 200, 17, 16, 33, 90, 5, 64, 2, 150][:rows])
-    tables = torch.randperm(192, generator=g).view(12, 16)[:rows]  # each row owns its blocks
+    block_size, lens = 16, torch.tensor(([1, 40, 200, 17, 16, 33, 90, 5, 64, 2, 150] * 5)[:rows])
+    blocks = 16 * max(12, rows)
+    tables = torch.randperm(blocks, generator=g).view(-1, 16)[:rows]  # each row owns its blocks
     positions = lens - 1
     slots = tables[torch.arange(rows), positions // block_size] * block_size + positions % block_size
-    kv_cache = torch.randn(192 * block_size, 2, 2, 16, generator=g).to(dtype)
+    kv_cache = torch.randn(blocks * block_size, 2, 2, 16, generator=g).to(dtype)
     x, residual = (torch.randn(rows, 96, generator=g).to(dtype) for _ in range(2))
     t = torch.arange(int(lens.max()))
     gather = tables[:, t // block_size] * block_size + t % block_size  # the PyTorch path's gathered context
@@ -248,10 +249,12 @@ def _assert_step_matches(dtype, refs, outs) -> None:
 
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 45])
 def test_the_compiled_decode_step_matches_the_layer_on_pytorch_ops(family, dtype, rows):
-    """One layer's description run in C = its forward on TorchOps: output, residual and stored K/V."""
+    """One layer's description run in C = its forward on TorchOps: output, residual and stored K/V. 45 rows:
+    products in two passes of rows (MAX_ROWS, then the rest)."""
     layer, step, refs, (x, residual, kv_cache) = _decode_layer_case(dtype, rows, family=family)
+    assert cpu.DecodeStack([layer.describe()], dtype).max_rows == cpu.max_rows()  # plain weights: the plan's limit
     _run_stack([layer.describe()], dtype, x, residual, step)
     _assert_step_matches(dtype, refs, (x, residual, kv_cache))
 
@@ -261,7 +264,7 @@ _GGUF_LAYER_TYPES = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_0", 0: "Q5_
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 11])
+@pytest.mark.parametrize("rows", [1, 5, 11, 45])
 @pytest.mark.parametrize("repack", [True, False])
 def test_the_compiled_decode_step_takes_gguf_blocks(dtype, rows, repack):
     """The step reads GGUF parts (a two-part qkv of mixed types too; repacked x8 parts beside the file's) as
@@ -287,6 +290,7 @@ def test_the_compiled_decode_step_takes_gguf_blocks(dtype, rows, repack):
     x8 = 256 if repack else 0  # every type repacks (their rows are whole groups of 8)
     types = [t for m in (description.qkv, description.o, description.gate_up, description.down) for _, t in m.parts]
     assert len(description.qkv.parts) == 2 and set(types) == {6 | x8, 7 | x8, 2 | x8, 3 | x8, 8 | x8}
+    assert cpu.DecodeStack([description], dtype).max_rows is None  # every matrix blocks: any number of rows
     _run_stack([description], dtype, x, residual, step)
     _assert_step_matches(dtype, refs, (x, residual, kv_cache))
 

@@ -191,3 +191,29 @@ def test_a_gguf_on_the_cpu_computes_in_float32_over_a_bfloat16_cache_by_default(
         core.shutdown()
         assert got == (activations, cache), (dtype, kv_cache_dtype, quantization)
     assert resolve_precision("auto", "auto", "bfloat16", torch.device("cuda"), True) == Precision(bf16, "auto")
+
+
+def test_a_gguf_stack_runs_decode_batches_past_max_rows_in_one_call(tmp_path, private_cache, monkeypatch):
+    """Every matrix GGUF blocks: a decode step of more rows than one weight pass takes (MAX_ROWS) still runs as one
+    call, its products in passes of MAX_ROWS rows, and gives the tokens the op-by-op path gives (the same kernel
+    in the same passes)."""
+    from conftest import count_decode_steps
+    from paged_runtime.kernels import cpu
+    path, _ = write_gguf(tmp_path, lambda name: "Q4_1")
+    rows = cpu.max_rows() + 13
+    prompts = [np.random.default_rng(i).integers(3, 340, 3 + i % 5).tolist() for i in range(rows)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tokens, fused = [], []
+    for past_max_rows in (True, False):
+        llm = make_llm(path, max_model_len=96, kv_cache_memory=4 << 20, max_num_seqs=rows, max_num_batched_tokens=512)
+        stack = llm.engine.core.runner.cpu_plans[llm.engine.core.runner.model].stack
+        assert stack.max_rows is None
+        if not past_max_rows:
+            monkeypatch.setattr(stack, "max_rows", cpu.max_rows())  # a plain-weight stack's limit: op by op
+        calls = count_decode_steps(monkeypatch)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        fused.append(max((n for _, n in calls), default=0))
+        llm.engine.core.shutdown()
+    assert fused == [rows, 0]  # every row decoded at once: in one call, then op by op
+    assert tokens[0] == tokens[1]
