@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
-from benchmarks.common import BUSY_LIMIT, ROOT, args_dict, result_path, write_results  # noqa: E402
+from benchmarks.common import BUSY_LIMIT, ROOT, args_dict, machine_info, result_path, write_results  # noqa: E402
 
 DEFAULT_BASE = "e47d064"
 TOLERANCE = 0.05  # issue 14: "within 5%"
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         print(f"total {wall / 60:.1f} min")
 
         params = args_dict(args)
-        report = {"parameters": params,
+        report = {"parameters": params, "machine": machine_info(),
                   "base": {"spec": args.base, "commit": base.commit, "desc": base.desc,
                            "paged_runtime_file": imports.get("base")},
                   "new": {"spec": args.new or str(ROOT), "commit": new.commit, "desc": new.desc,
