@@ -672,8 +672,8 @@ class DecodeStack:
         self.lora = any(getattr(d, name).lora is not None for d in layers for name in MATRICES)
         # The most rows a call takes (None: any). Products take MAX_ROWS rows a pass, each thread's run of the
         # weights staying in its cache between passes. Op by op, GGUF blocks take the same kernel in the same
-        # passes, so one call only saves the per-op dispatch (33-128 rows of the default model: 1.07-1.2x a
-        # step, 2-core Zen 3); plain weights take oneDNN's GEMMs there (packed on AVX-512), not measured
+        # passes, so one call only saves the per-op dispatch (the default model's 128 requests: 1.16x, 2-core
+        # Zen 3, benchmarks/ab_compare.py); plain weights take oneDNN's GEMMs there (packed on AVX-512), not measured
         # against the passes, so a stack with any plain matrix keeps to max_rows().
         plain = any(qtype == PLAIN for d in layers for name in MATRICES for _, qtype in getattr(d, name).parts)
         self.max_rows = max_rows() if plain else None
