@@ -9,6 +9,7 @@ integer path), and every x86-64 CPU the scalar one (the plain loops a CPU withou
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,20 @@ def test_the_kernel_sensitive_tests_pass_with_each_isa_this_cpu_runs(isa):
                           *(str(TESTS / f) for f in SENSITIVE[isa])],
                          cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+@pytest.mark.skipif(cpu._compiler() is None or platform.machine() != "x86_64", reason="needs a C compiler on x86-64")
+def test_the_builds_this_cpu_cannot_run_still_compile(tmp_path):
+    """A change is tested on one CPU, and machines of one kind differ (AVX2-only Zen 3, AVX-512 Zen 4): the builds
+    this CPU cannot run (the rest of the suite builds the others) must still compile, or the CPUs that pick them
+    lose their kernels. Unoptimized, side by side, for time: the same preprocessor branches, intrinsics and
+    target checks."""
+    others = [name for name in cpu.ISAS if name != "auto" and not cpu.cpu_has(name)]
+    if not others:
+        pytest.skip("this CPU runs every build")
+    builds = {name: subprocess.Popen([cpu._compiler(), *cpu.ISAS[name].flags, "-O0", "-fopenmp", "-fPIC",
+                                      "-std=c11", "-c", str(cpu.SOURCE), "-o", str(tmp_path / f"{name}.o")],
+                                     stderr=subprocess.PIPE, text=True) for name in others}
+    errors = {name: build.communicate(timeout=300)[1] for name, build in builds.items()}
+    failed = {name: errors[name][-3000:] for name, build in builds.items() if build.returncode}
+    assert not failed, failed
