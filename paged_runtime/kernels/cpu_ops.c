@@ -87,13 +87,9 @@ static inline V16 v16_div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
 static inline V16 v16_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 static inline V16 v16_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b */
-/* Lane l plus lane l + 8, then + 4, + 2, + 1 (GCC's _mm512_reduce_add_ps, written out so no compiler changes
- * it): the AVX2 build's tree too, which scores16 mirrors across lanes. */
-static inline float v16_sum(V16 v) {
-    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+/* Lane l plus lane l + 8: v16_sum's first step (see fold_sum). */
+static inline __m256 v16_fold(V16 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 static inline float v16_hmax(V16 v) { return _mm512_reduce_max_ps(v); }
 
@@ -157,12 +153,7 @@ static inline V16 v16_fmadd(V16 a, V16 b, V16 c) {
 static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { /* c - a * b */
     return v16_pair(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
 }
-static inline float v16_sum(V16 v) {
-    __m256 s = _mm256_add_ps(v.lo, v.hi);
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+static inline __m256 v16_fold(V16 v) { return _mm256_add_ps(v.lo, v.hi); } /* lane l plus lane l + 8 */
 static inline float v16_hmax(V16 v) {
     __m256 s = _mm256_max_ps(v.lo, v.hi);
     __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -214,6 +205,38 @@ static inline void store16(void *p, int64_t i, V16 rounded, int dt) {
 #endif
 
 #ifdef VEC16
+/* A vector's sum from its fold (v16_fold: lane l plus lane l + 8): then lane l plus l + 4, + 2, + 1. GCC's
+ * _mm512_reduce_add_ps adds so; written out so that no compiler changes it, and both builds sum alike (scores16
+ * and sum8_folds mirror this tree across lanes). */
+static inline float fold_sum(__m256 s) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+static inline float v16_sum(V16 v) { return fold_sum(v16_fold(v)); }
+
+/* fold_sum of the 8 folds at u (8 floats each, one after another), as one vector: each sum in fold_sum's
+ * tree, so the same bits, for ~4 instructions a sum instead of 7 and one store instead of 8. */
+static inline __m256 sum8_folds(const float *u) {
+    __m256 w[4], x[2];
+    for (int i = 0; i < 4; i++) { /* [l + l+4 of fold 2i | of fold 2i + 1] */
+        __m256 a = _mm256_loadu_ps(u + 16 * i), b = _mm256_loadu_ps(u + 16 * i + 8);
+        w[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    for (int i = 0; i < 2; i++) /* then + 2: [folds 4i, 4i + 2 | 4i + 1, 4i + 3], two lanes each */
+        x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xee));
+    __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xdd)); /* + 1 */
+    return _mm256_permutevar8x32_ps(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* lanes 0 2 4 6 1 3 5 7 */
+}
+
+/* sums[i] = fold_sum of fold i at folds + 8 i, for i < n. */
+static inline void sum_folds(const float *folds, int64_t n, float *sums) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(sums + i, sum8_folds(folds + 8 * i));
+    for (; i < n; i++) sums[i] = fold_sum(_mm256_loadu_ps(folds + 8 * i));
+}
+
 /* exp(x): Cephes' expf polynomial, ~1 ulp; inputs below -87.3 give exp(-87.3) (adds nothing to a sum). */
 static inline V16 exp16(V16 x) {
     x = v16_max(v16_set1(-87.3f), x); /* NaN in x stays NaN (max returns its second operand) */
@@ -1023,6 +1046,7 @@ static void attend_head(const Paged *P, const void *q, int64_t q_stride, const v
 
 #define TILE_ROWS 8 /* query rows of one sequence that attend_tile_impl reads a KV head's keys and values once for */
 static int attention_tile_rows = TILE_ROWS; /* pr_attention_tile_rows: 1 attends every row alone */
+#define KV_RUN 16 /* tokens attend_group_impl reads a key and value run of: a block of the default size */
 
 #ifdef VEC16
 /* 8-bit cache values as fp32 (AVX2 and F16C, which every VEC16 CPU has). */
@@ -1107,7 +1131,6 @@ static float softmax_unnormalized(float *row, int64_t len) {
 #endif
 }
 
-#define KV_RUN 16 /* tokens attend_group_impl reads a key and value run of: a block of the default size */
 #define KV_AHEAD_BYTES (24 << 10) /* how far ahead attention prefetches, in bytes of the slots it reads (tuned on
                                      the online-softmax version of this loop, same reads): at 128
                                      rows x 512 tokens, 16 tokens of a float32 cache (24 KB) ran 1.15x 48's, 32-48 of a
@@ -1127,15 +1150,42 @@ static inline __attribute__((always_inline)) void prefetch_slot(const void *kv_c
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + row_bytes + line, _MM_HINT_T1);
 }
 
+/* 32 bfloat16 values from p as two V16, widened by a shift (the even ones) and a mask (the odd ones) instead of
+ * a widening move and a shift each 8: value r lands in lane bf16_split_lane(r) of the pair (r < 32). Only for
+ * sums that keep each lane to itself: the values' pass (the keys' tree of lanes is the arithmetic, see
+ * fold_sum). */
+static inline void bf16x32_split(const uint16_t *p, V16 *x0, V16 *x1) {
+#ifdef __AVX512F__
+    __m512i a = _mm512_loadu_si512(p), high = _mm512_set1_epi32((int)0xffff0000u);
+    *x0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), *x1 = _mm512_castsi512_ps(_mm512_and_si512(a, high));
+#else
+    __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    *x0 = v16_pair(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_and_si256(a, high)));
+    *x1 = v16_pair(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), _mm256_castsi256_ps(_mm256_and_si256(b, high)));
+#endif
+}
+static inline int64_t bf16_split_lane(int64_t r) {
+#ifdef __AVX512F__
+    return (r & 1) * 16 + r / 2; /* one 512-bit load: the even values, then the odd */
+#else
+    return (r & 16) + (r & 1) * 8 + (r & 15) / 2; /* two 256-bit loads, each its even values, then its odd */
+#endif
+}
+
 /* The query heads of KV heads g0 .. g0 + gn - 1, for row b: a pass over the row's keys for every head's scores,
  * an exact softmax, then a pass over its values, each walking the row's slots in runs of KV_RUN tokens and
  * prefetching ahead. With gn = kv_heads each slot is read whole (every KV head's key, then value): passes per KV
- * head read 1/kv_heads of each slot, and with scattered blocks the prefetchers lost them. Each key and value is
- * loaded and widened once for the query heads that share it; a head's sums stay in registers over a run. The
- * arithmetic per head is the same whatever gn is, and the same as a token-by-token two-pass loop: the default
- * model's near-tie answers (its int8-quantized activations turn 1e-7 of attention rounding into 0.1 nats of a
- * logit, measured) stay as they were. Scratch: gn * G * (2 * dim + len) floats. Inlined per constant (chunks,
- * dt) so the widened row stays in registers: 15-20% faster than a runtime chunk count at batch 1-64 here. */
+ * head read 1/kv_heads of each slot, and with scattered blocks the prefetchers lost them. Each key is loaded and
+ * widened once for the query heads that share it; each score's products are folded to 8 lanes, and the run's
+ * scores summed 8 at a time from their folds (sum_folds: v16_sum's bits, a third of its instructions). A head's
+ * value sums stay in registers over a run; bfloat16 values are widened 32 at a time by bf16x32_split. Together
+ * 1.17-1.21x the kernel over a bfloat16 cache in memory (2-core Zen 3, 1-128 rows; see kernels.md), which was
+ * bound by its instructions, not by memory. The arithmetic per head
+ * is the same whatever gn is, and the same as a token-by-token two-pass loop: the default model's near-tie
+ * answers (its int8-quantized activations turn 1e-7 of attention rounding into 0.1 nats of a logit, measured)
+ * stay as they were. Scratch: gn * G * (2 * dim + len + 8 * KV_RUN) floats. Inlined per constant (chunks, dt)
+ * so the widened row stays in registers: 15-20% faster than a runtime chunk count at batch 1-64 here. */
 static inline __attribute__((always_inline)) void attend_group_impl(
     const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g0, int64_t gn,
     float *scratch, void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
@@ -1144,14 +1194,15 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     int64_t elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
     int64_t row_bytes = P->kv_heads * dim * elem;
     const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
+    const int split = elem == 2 && chunks % 2 == 0; /* bfloat16 values, widened 32 at a time (acc in that order) */
     V16 scale = v16_set1(1.f), kv[MAX_CHUNKS];
-    float *qf = scratch, *acc = qf + n * dim, *scores = acc + n * dim, sums[MAX_GROUP];
+    float *qf = scratch, *acc = qf + n * dim, *scores = acc + n * dim, *folds = scores + n * len, sums[MAX_GROUP];
     for (int64_t i = 0; i < n * dim; i++) qf[i] = load(q, b * q_stride + g0 * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     int64_t slots[KV_RUN], distance = KV_AHEAD_BYTES / (2 * gn * dim * elem) + 1; /* tokens */
     const int64_t *table = P->block_tables + b * P->table_stride;
     SlotWalk walk = walk_from(P, table, first), ahead = walk;
     for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
-    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) { /* keys */
+    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) { /* keys: each score's fold, then the run's sums */
         int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
         for (int64_t t = 0; t < tn; t++) slots[t] = next_slot(&walk);
         for (int64_t t = 0; t < tn; t++) {
@@ -1164,11 +1215,14 @@ static inline __attribute__((always_inline)) void attend_group_impl(
                 for (int64_t j = gi * G; j < (gi + 1) * G; j++) {
                     V16 s = v16_mul(v16_loadf(qf + j * dim), kv[0]);
                     for (int64_t c = 1; c < chunks; c++) s = v16_fmadd(v16_loadf(qf + j * dim + c * 16), kv[c], s);
-                    scores[j * len + t0 + t] = cap(P, v16_sum(s));
+                    _mm256_storeu_ps(folds + (j * KV_RUN + t) * 8, v16_fold(s));
                 }
             }
         }
+        for (int64_t j = 0; j < n; j++) sum_folds(folds + j * KV_RUN * 8, tn, scores + j * len + t0);
     }
+    if (P->softcap > 0.f)
+        for (int64_t i = 0; i < n * len; i++) scores[i] = cap(P, scores[i]);
     for (int64_t j = 0; j < n; j++) sums[j] = softmax_unnormalized(scores + j * len, len);
     walk = walk_from(P, table, first), ahead = walk;
     for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
@@ -1181,13 +1235,19 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         }
         for (int64_t j = 0; j < n; j++) {
             int64_t g = g0 + j / G;
-            V16 a[MAX_CHUNKS];
+            V16 a[MAX_CHUNKS], x[2];
             for (int64_t c = 0; c < chunks; c++) a[c] = v16_loadf(acc + j * dim + c * 16);
             for (int64_t t = 0; t < tn; t++) {
                 const char *value = (const char *)kv_cache + (slots[t] * 2 + 1) * row_bytes + g * dim * elem;
                 if (scaled) scale = kv_scale16(P, slots[t], 1, g, dt);
                 V16 w = v16_set1(scores[j * len + t0 + t]);
-                for (int64_t c = 0; c < chunks; c++) a[c] = v16_fmadd(w, kv_load16(value, c * 16, kv_dt, scale, dt), a[c]);
+                if (split)
+                    for (int64_t c = 0; c < chunks; c += 2) {
+                        bf16x32_split((const uint16_t *)value + c * 16, &x[0], &x[1]);
+                        a[c] = v16_fmadd(w, x[0], a[c]), a[c + 1] = v16_fmadd(w, x[1], a[c + 1]);
+                    }
+                else
+                    for (int64_t c = 0; c < chunks; c++) a[c] = v16_fmadd(w, kv_load16(value, c * 16, kv_dt, scale, dt), a[c]);
             }
             for (int64_t c = 0; c < chunks; c++) v16_storef(acc + j * dim + c * 16, a[c]);
         }
@@ -1195,7 +1255,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < dim; i++) {
             int64_t at = (b * P->heads + g0 * G + j) * dim + i;
-            float v = rnd(acc[j * dim + i] / sums[j], dt);
+            float v = rnd(acc[j * dim + (split ? (i & ~(int64_t)31) + bf16_split_lane(i & 31) : i)] / sums[j], dt);
             if (out) store(out, at, v, dt);
             if (xf) xf[at] = v;
         }
@@ -1369,7 +1429,7 @@ static int64_t tile_rows(const Paged *P, int64_t b, int64_t B) {
 /* Floats of per-thread scratch that attention needs for contexts up to max_len: attend_group's for all heads
  * (queries, sums, scores), attend_head's (scores, its query, sums and a dequantized row of an 8-bit cache). */
 static int64_t attention_scratch(const Paged *P, int64_t max_len) {
-    int64_t group = P->heads * (2 * P->dim + max_len), head = max_len + 3 * P->dim;
+    int64_t group = P->heads * (2 * P->dim + max_len + 8 * KV_RUN), head = max_len + 3 * P->dim;
     int64_t tile = TILE_ROWS * (P->heads / P->kv_heads) * (2 * P->dim + max_len) + 16 * P->dim;
     int64_t most = group > head ? group : head;
     return ((tile > most ? tile : most) + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
