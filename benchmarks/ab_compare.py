@@ -19,7 +19,10 @@ What it measures
         of the compiled-kernel engine (the script also times its enforce_eager
         engine, there is no flag to skip it; that figure is ignored here);
       * ``benchmarks/throughput.py --skip-hf`` (``make bench`` without the
-        transformers baselines): paged_runtime output tokens per second.
+        transformers baselines): paged_runtime output tokens per second;
+      * with ``--attention``, ``benchmarks/cpu_attention.py``: ms per call of the
+        decode attention kernel for each cache kind and batch x context it times
+        (the cache in memory; its SDPA peer is ignored here).
     Each script's JSON is redirected to a temp dir (the checked-in results are
     never touched). Each side keeps its best round; the ratio is oriented so that
     > 1 means new is faster (base ms / new ms, new tok/s / base tok/s).
@@ -54,9 +57,9 @@ TOLERANCE = 0.05  # issue 14: "within 5%"
 # Runs one benchmark script file of one tree: prints the imported package, loads the script (which finds its
 # own tree's helpers: benchmarks/common.py, or in older trees its sibling modules), redirects its results
 # folder (cpu_decode.py has no --out; older scripts hold it in their own RESULTS, newer ones in
-# benchmarks.common's), then calls its main(argv).
+# benchmarks.common's), then calls its main(argv) (a main without parameters reads sys.argv).
 DRIVER = r"""
-import json, runpy, sys
+import inspect, json, runpy, sys
 from pathlib import Path
 tree, script, out_dir = sys.argv[1:4]
 argv = sys.argv[4:]
@@ -69,7 +72,8 @@ if "RESULTS" in main.__globals__:
     main.__globals__["RESULTS"] = Path(out_dir)
 if "benchmarks.common" in sys.modules:
     sys.modules["benchmarks.common"].RESULTS = Path(out_dir)
-sys.exit(main(argv))
+sys.argv = [script, *argv]
+sys.exit(main(argv) if inspect.signature(main).parameters else main())
 """
 
 
@@ -136,8 +140,14 @@ class Throughput(Command):
         return {"throughput tok/s": runtime["output_tok_s"]}
 
 
+class CpuAttention(Command):
+    def metrics(self, out_dir: Path, stdout: str) -> dict[str, float]:
+        rows = json.loads((out_dir / "cpu_attention.json").read_text())["rows"]
+        return {f"attention {r['cache']} {r['batch']}x{r['context']} ms/call": r["ms"] for r in rows}
+
+
 def higher_is_better(metric: str) -> bool:
-    return not metric.endswith("ms/step")
+    return not metric.endswith(("ms/step", "ms/call"))
 
 
 def commands(args: argparse.Namespace) -> list[Command]:
@@ -155,6 +165,8 @@ def commands(args: argparse.Namespace) -> list[Command]:
         if args.num_requests is not None:
             argv += ["--num-requests", str(args.num_requests)]
         out.append(Throughput("throughput", "throughput", argv + shlex.split(args.throughput_args)))
+    if args.attention:
+        out.append(CpuAttention("attention", "cpu_attention", ["--repeats", str(args.attention_repeats)]))
     return out
 
 
@@ -164,8 +176,8 @@ def run_one(cmd: Command, tree: Tree, scripts: Path, tmp: Path, tag: str, python
     out_dir = tmp / "out" / tag
     out_dir.mkdir(parents=True)
     argv = list(cmd.argv)
-    if isinstance(cmd, Throughput):
-        argv += ["--out", str(out_dir / "throughput.json")]
+    if isinstance(cmd, (Throughput, CpuAttention)):
+        argv += ["--out", str(out_dir / f"{cmd.script}.json")]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
     env.update(PYTHONPATH=str(tree.path), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     if threads:  # torch reads OMP_NUM_THREADS for its intra-op pool; same for both scripts and both sides
@@ -186,8 +198,10 @@ def run_one(cmd: Command, tree: Tree, scripts: Path, tmp: Path, tag: str, python
     busy = None
     for f in out_dir.glob("*.json"):
         data = json.loads(f.read_text())
-        if "others_busy_cores" in data:
+        if "others_busy_cores" in data:  # a figure, or (before, after) the run
             busy = data["others_busy_cores"]
+            if isinstance(busy, list):
+                busy = max((b for b in busy if b is not None), default=None)
         for r in data.get("results", []):
             if r.get("system") == "paged_runtime":
                 busy = max((b for b in r["others_busy_cores"] if b is not None), default=None)
@@ -242,6 +256,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="throughput.py --num-requests (its default: 128)")
     p.add_argument("--throughput-args", default="", help="more throughput.py arguments, one string")
     p.add_argument("--skip-throughput", action="store_true")
+    # cpu_attention.py
+    p.add_argument("--attention", action="store_true", help="also time the decode attention kernel (cpu_attention.py)")
+    p.add_argument("--attention-repeats", type=int, default=5, help="cpu_attention.py --repeats")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/ab_compare-<device>.json)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (worktrees removed, logs kept)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every run's stdout")
@@ -294,11 +311,12 @@ def main(argv=None) -> int:
                          "new_rounds": side["new"]})
         print(f"\nbest of {args.rounds} round(s); new/base > 1 means new is faster; "
               f"issue 14 asks for >= {1 - TOLERANCE:.2f}")
-        header = f"{'metric':<26}{'base':>10}{'new':>10}{'new/base':>10}"
+        width = max(26, *(len(r["metric"]) + 2 for r in rows))
+        header = f"{'metric':<{width}}{'base':>10}{'new':>10}{'new/base':>10}"
         print(header + "\n" + "-" * len(header))
         for r in rows:
             mark = "" if r["new_over_base"] >= 1 - TOLERANCE else "   SLOWER by more than 5%"
-            print(f"{r['metric']:<26}{r['base']:>10.2f}{r['new']:>10.2f}{r['new_over_base']:>9.3f}x{mark}")
+            print(f"{r['metric']:<{width}}{r['base']:>10.2f}{r['new']:>10.2f}{r['new_over_base']:>9.3f}x{mark}")
         busy = [r["others_busy_cores"] for r in runs if (r["others_busy_cores"] or 0) > BUSY_LIMIT]
         if busy:
             print(f"warning: {len(busy)} of {len(runs)} runs had other work keeping up to {max(busy):.1f} cores "

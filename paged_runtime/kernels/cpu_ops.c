@@ -1180,7 +1180,7 @@ static inline int64_t bf16_split_lane(int64_t r) {
  * widened once for the query heads that share it; each score's products are folded to 8 lanes, and the run's
  * scores summed 8 at a time from their folds (sum_folds: v16_sum's bits, a third of its instructions). A head's
  * value sums stay in registers over a run; bfloat16 values are widened 32 at a time by bf16x32_split. Together
- * 1.17-1.21x the kernel over a bfloat16 cache in memory (2-core Zen 3, 1-128 rows; see kernels.md), which was
+ * 1.05-1.19x the kernel over a bfloat16 cache in memory (2-core Zen 3, 1-128 rows; see kernels.md), which was
  * bound by its instructions, not by memory. The arithmetic per head
  * is the same whatever gn is, and the same as a token-by-token two-pass loop: the default model's near-tie
  * answers (its int8-quantized activations turn 1e-7 of attention rounding into 0.1 nats of a logit, measured)
