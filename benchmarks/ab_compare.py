@@ -135,14 +135,14 @@ class CpuDecode(Command):
 
 class Throughput(Command):
     def metrics(self, out_dir: Path, stdout: str) -> dict[str, float]:
-        report = json.loads((out_dir / "throughput.json").read_text())
+        report = json.loads((out_dir / f"{self.script}.json").read_text())
         runtime = next(r for r in report["results"] if r["system"] == "paged_runtime")
         return {"throughput tok/s": runtime["output_tok_s"]}
 
 
 class CpuAttention(Command):
     def metrics(self, out_dir: Path, stdout: str) -> dict[str, float]:
-        rows = json.loads((out_dir / "cpu_attention.json").read_text())["rows"]
+        rows = json.loads((out_dir / f"{self.script}.json").read_text())["rows"]
         return {f"attention {r['cache']} {r['batch']}x{r['context']} ms/call": r["ms"] for r in rows}
 
 

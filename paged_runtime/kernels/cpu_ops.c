@@ -1178,7 +1178,7 @@ static inline int64_t bf16_split_lane(int64_t r) {
  * prefetching ahead. With gn = kv_heads each slot is read whole (every KV head's key, then value): passes per KV
  * head read 1/kv_heads of each slot, and with scattered blocks the prefetchers lost them. Each key is loaded and
  * widened once for the query heads that share it; each score's products are folded to 8 lanes, and the run's
- * scores summed 8 at a time from their folds (sum_folds: v16_sum's bits, a third of its instructions). A head's
+ * scores summed 8 at a time from their folds (sum_folds: v16_sum's bits, under half its instructions). A head's
  * value sums stay in registers over a run; bfloat16 values are widened 32 at a time by bf16x32_split. Together
  * 1.05-1.19x the kernel over a bfloat16 cache in memory (2-core Zen 3, 1-128 rows; see kernels.md), which was
  * bound by its instructions, not by memory. The arithmetic per head
