@@ -12,8 +12,9 @@ What it measures
     Best of ``--repeats`` timings of ``--calls`` calls each. Also ``cpu_gguf_dequantize`` of each weight to
     bfloat16 (the large-batch path dequantizes, then runs one GEMM), as ms and GB/s of weight bytes read.
     Last, the CPU's peak int8 dot-product rate on the same threads (``int8_peak.c``: independent chains of
-    the widest u8 x s8 dot product -march=native allows, vpdpbusd on 512 bits on an AVX512-VNNI CPU) and each
-    x8 kernel's rate at 128 rows (2 N K M ops a call) as a share of it.
+    the widest u8 x s8 dot product -march=native allows, vpdpbusd on 512 bits on an AVX512-VNNI CPU, tdpbssd
+    tile products where it allows AMX-INT8) and each x8 kernel's rate at 128 rows (2 N K M ops a call) as a
+    share of it.
 
 How to run
     .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine

@@ -1,8 +1,16 @@
 /* The CPU's peak int8 dot-product rate, measured: ten independent accumulator chains of the widest u8 x s8
  * dot product the compiler is allowed (-march=native): vpdpbusd on 512 bits with AVX512-VNNI, on 256 with
  * AVX-VNNI, else AVX2's maddubs + madd + add (three instructions per 32 products). One chain set per OpenMP
- * thread; ops = 2 per product (a multiply and an add), as GEMM rates count them. Prints "<GOPS> <instruction>".
+ * thread; ops = 2 per product (a multiply and an add), as GEMM rates count them. Where the compiler is allowed
+ * AMX-INT8 and Linux grants the tile state, the peak is instead four independent tdpbssd chains (16 x 16 x 64
+ * products each), what the GGUF x8 kernel's batches use there. Prints "<GOPS> <instruction>".
  * Built and run by gguf_kernels.py. */
+#if defined(__AMX_INT8__)
+#define _GNU_SOURCE
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -32,7 +40,56 @@ static inline V splat8(char c) { return _mm256_set1_epi8(c); }
 static inline int lane0(V x) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(x)); }
 #endif
 
+#if defined(__AMX_INT8__)
+/* Tiles 0-3: accumulators, 4-5: A, 6-7: B, all 16 rows x 64 bytes. */
+static double amx_gops(void) {
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) || syscall(SYS_arch_prctl, 0x1022, &granted) ||
+        !(granted >> 18 & 1))
+        return 0;
+    const long iters = 2000000L;
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double start = omp_get_wtime();
+#pragma omp parallel
+        {
+            struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+            static int8_t data[16][64];
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+            _tile_loadconfig(&cfg);
+            _tile_loadd(4, data, 64);
+            _tile_loadd(5, data, 64);
+            _tile_loadd(6, data, 64);
+            _tile_loadd(7, data, 64);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (long n = 0; n < iters; n++) {
+                _tile_dpbssd(0, 4, 6);
+                _tile_dpbssd(1, 4, 7);
+                _tile_dpbssd(2, 5, 6);
+                _tile_dpbssd(3, 5, 7);
+            }
+            _tile_release();
+        }
+        double rate = 2.0 * 16 * 16 * 64 * 4 * iters * omp_get_max_threads() / (omp_get_wtime() - start);
+        best = rate > best ? rate : best;
+    }
+    return best / 1e9;
+}
+#endif
+
 int main(void) {
+#if defined(__AMX_INT8__)
+    double amx = amx_gops();
+    if (amx > 0) {
+        printf("%.1f tdpbssd (AMX)\n", amx);
+        return 0;
+    }
+#endif
 #ifdef NAME
     const long iters = 50000000L;
     double best = 0;

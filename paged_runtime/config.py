@@ -29,7 +29,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "fp8", "gguf", "gptq", "awq", "compress
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # core/scheduler.py orders by each
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # attention/__init__.py's BUILDERS
-CPU_ISAS = ("auto", "avx512_vnni", "avx512", "avx_vnni", "avx2", "scalar")  # kernels/cpu.ISAS, best first
+CPU_ISAS = ("auto", "amx", "avx512_vnni", "avx512", "avx_vnni", "avx2", "scalar")  # kernels/cpu.ISAS, best first
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # entrypoints/openai/tool_parsers.TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # entrypoints/openai/reasoning_parsers.REASONING_PARSERS
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -140,9 +140,10 @@ class EngineConfig:
         "FMA + F16C); True / False force them on / off", env=("PAGED_RUNTIME_CPU_KERNELS",), parse=parse_switch)
     cpu_isa: str = setting(
         "auto", "the instruction set the compiled CPU kernels are built for: auto (-march=native: all this CPU has), "
-        "or less, to rule a path out: avx512_vnni (x86-64-v4 + AVX512-VNNI), avx512 (x86-64-v4), avx_vnni "
-        "(x86-64-v3 + AVX-VNNI), avx2 (x86-64-v3), scalar (plain loops); one per process; a set this CPU lacks "
-        "is refused when they load", choices=CPU_ISAS, env=("PAGED_RUNTIME_CPU_ISA",))
+        "or less, to rule a path out: amx (x86-64-v4 + AVX512-VNNI, AVX512-BF16, AMX-INT8), avx512_vnni "
+        "(x86-64-v4 + AVX512-VNNI), avx512 (x86-64-v4), avx_vnni (x86-64-v3 + AVX-VNNI), avx2 (x86-64-v3), scalar "
+        "(plain loops); one per process; a set this CPU lacks is refused when they load",
+        choices=CPU_ISAS, env=("PAGED_RUNTIME_CPU_ISA",))
     attention_backend: str | None = setting(None, "torch, cpu or triton instead of the automatic choice",
                                             choices=ATTENTION_BACKENDS,
                                             env=("PAGED_RUNTIME_ATTENTION_BACKEND",))

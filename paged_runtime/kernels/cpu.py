@@ -78,8 +78,11 @@ _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 _V3 = ("avx2", "fma", "f16c")
 # The instruction sets the library can be built for, best first (config.CPU_ISAS names them, in this order).
 # "auto" is whatever this CPU has; the x86-64 levels are the psABI's (v4: AVX-512 F/BW/CD/DQ/VL; v3: AVX2,
-# FMA, F16C); the VNNI ones add vpdpbusd, the int8 dot product of the GGUF x8 kernel.
+# FMA, F16C); the VNNI ones add vpdpbusd, the int8 dot product of the GGUF x8 kernel; amx (Sapphire Rapids and
+# later) adds AVX512-BF16 and the AMX-INT8 tile products the x8 kernel takes batches of 16 rows and more through.
 ISAS = {"auto": Isa(["-march=native"], ()),
+        "amx": Isa(["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
+                   (*_V4, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")),
         "avx512_vnni": Isa(["-march=x86-64-v4", "-mavx512vnni"], (*_V4, "avx512_vnni")),
         "avx512": Isa(["-march=x86-64-v4"], _V4),
         "avx_vnni": Isa(["-march=x86-64-v3", "-mavxvnni"], (*_V3, "avx_vnni")),

@@ -14,6 +14,11 @@
  * Tensors are bfloat16 (dt = 1) or float32 (dt = 0); index tensors int64.
  * OpenMP threads come from the runtime PyTorch already loaded (same soname).
  */
+#if defined(__AMX_INT8__) && !defined(PR_AMX_EMULATE)
+#define _GNU_SOURCE /* syscall(), for the AMX tile permission */
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -2606,6 +2611,234 @@ static void x8_store_avx2(float (*acc)[8], const void *bias, int64_t n, int64_t 
         else _mm256_storeu_ps((float *)out + m * N + n, v);
     }
 }
+
+/* ---- AMX: the x8 kernel's integer dots as tile products --------------------------------------------------
+ *
+ * Where the build has AMX-INT8 and Linux granted this process the tile state, x8_linear_rows takes M >=
+ * AMX_MIN_ROWS x rows through tile products, two groups (16 output columns) at a time. Per run, the groups'
+ * quants are unpacked once into a B tile as signed q: the x8 layout's chunks already hold 4 consecutive inputs
+ * of a row side by side, the order B wants, so chunk c's low nibbles are B's row 2 c and its high ones row 2 c
+ * + 1. Each 16 x rows of int8 are an A tile straight from GgufActs (rows K apart; the last, short tile from a
+ * zero-padded copy), and tdpbssd gives the run's 16 x 16 exact integer dots (Q6_K: one per half of 16 inputs,
+ * K = 16 each). They are scaled as x8_dot_avx2 scales its own, lane for lane: the same integers, the same fma
+ * chain, the same bits.
+ *
+ * PR_AMX_EMULATE builds the same code with the tile instructions written in C from their definitions (Intel
+ * SDM: LDTILECFG, TILELOADD, TILEZERO, TDPBSSD, TILESTORED), so a CPU without AMX runs the layout, the
+ * tails and the scaling (tests/unit/test_gguf_amx.py); the instructions themselves run only on a CPU that has
+ * them. */
+#if defined(__AMX_INT8__) || defined(PR_AMX_EMULATE)
+#define X8_AMX 1
+#define AMX_MIN_ROWS 16 /* fewer x rows than a tile: the vector path */
+/* The tiles (numbers, not an enum: the intrinsics paste them into the instruction) and their shapes below. */
+#define AMX_TC 0   /* 16 x rows x 16 columns, int32 */
+#define AMX_TC2 1  /* the same, Q6_K's second half */
+#define AMX_TA 2   /* 16 x rows x 32 inputs, int8 */
+#define AMX_TB 3   /* 32 inputs x 16 columns: 8 rows of 4 inputs x 16 columns */
+#define AMX_TAH 4  /* Q6_K's halves: 16 x rows x 16 inputs */
+#define AMX_TBH 5  /* and 16 inputs x 16 columns */
+#define AMX_TAH2 6
+#define AMX_TBH2 7
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16]; /* bytes per row of tile t */
+    uint8_t rows[16];
+} AmxConfig;
+
+#ifdef PR_AMX_EMULATE
+static _Thread_local struct { int rows, colsb; uint8_t b[16][64]; } amx_tile[8];
+static int64_t amx_products; /* tdpbssd executed: tests check the path ran, and how often */
+static void amx_config(const AmxConfig *c) {
+    for (int t = 0; t < 8; t++) {
+        amx_tile[t].rows = c->rows[t], amx_tile[t].colsb = c->colsb[t];
+        memset(amx_tile[t].b, 0, sizeof amx_tile[t].b);
+    }
+}
+static void amx_load(int t, const void *p, int64_t stride) {
+    for (int r = 0; r < amx_tile[t].rows; r++)
+        memcpy(amx_tile[t].b[r], (const char *)p + r * stride, amx_tile[t].colsb);
+}
+static void amx_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < amx_tile[t].rows; r++) memcpy((char *)p + r * stride, amx_tile[t].b[r], amx_tile[t].colsb);
+}
+static void amx_zero(int t) { memset(amx_tile[t].b, 0, sizeof amx_tile[t].b); }
+/* c[m][n] += the sum over k of a[m][k] b[k / 4][4 n + k % 4], int8 x int8 into int32 (K = a's bytes a row);
+ * shapes that do not fit abort, where the instruction would fault */
+static void amx_dpbssd(int c, int a, int b) {
+    if (amx_tile[a].colsb / 4 != amx_tile[b].rows || amx_tile[c].colsb != amx_tile[b].colsb ||
+        amx_tile[c].rows != amx_tile[a].rows)
+        abort();
+    for (int m = 0; m < amx_tile[a].rows; m++)
+        for (int n = 0; n < amx_tile[c].colsb / 4; n++) {
+            int32_t s;
+            memcpy(&s, amx_tile[c].b[m] + 4 * n, 4);
+            for (int k = 0; k < amx_tile[a].colsb; k++)
+                s += (int8_t)amx_tile[a].b[m][k] * (int8_t)amx_tile[b].b[k / 4][4 * n + k % 4];
+            memcpy(amx_tile[c].b[m] + 4 * n, &s, 4);
+        }
+    __atomic_fetch_add(&amx_products, 1, __ATOMIC_RELAXED);
+}
+#define AMX_CONFIG(c) amx_config(c)
+#define AMX_LOAD(t, p, stride) amx_load(t, p, stride)
+#define AMX_STORE(t, p, stride) amx_store(t, p, stride)
+#define AMX_ZERO(t) amx_zero(t)
+#define AMX_DPBSSD(c, a, b) amx_dpbssd(c, a, b)
+#define AMX_RELEASE() ((void)0)
+static const int amx_on = 1;
+#define VARIANT_AMX "amx_int8_emulated"
+#else
+/* The intrinsics' asm reads the tile's memory without saying so: the barrier keeps the stores to it before. */
+#define AMX_CONFIG(c) _tile_loadconfig(c)
+#define AMX_LOAD(t, p, stride)                                                                                 \
+    do {                                                                                                       \
+        __asm__ volatile("" ::: "memory");                                                                     \
+        _tile_loadd(t, p, stride);                                                                             \
+    } while (0)
+#define AMX_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define AMX_RELEASE() _tile_release()
+static const int64_t amx_products = 0;
+/* Linux gives a process the tile state (8 KB more of XSAVE) only when asked (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA, Linux 5.16+), for all its threads; before that a tile instruction faults. Asked once,
+ * at load; refused (an older kernel, a seccomp filter), the x8 kernel keeps its vector path. */
+static int amx_on;
+__attribute__((constructor)) static void amx_request(void) {
+    unsigned long granted = 0;
+    amx_on = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 &&
+             syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &granted) == 0 && (granted >> 18 & 1);
+}
+#define VARIANT_AMX "amx_int8"
+#endif
+
+/* This thread's tiles in the shapes above (a thread's own state: each configures before its products). */
+static void amx_configure(void) {
+    static const uint8_t shape[8][2] = {[AMX_TC] = {16, 64}, [AMX_TC2] = {16, 64}, [AMX_TA] = {16, 32},
+                                        [AMX_TB] = {8, 64},  [AMX_TAH] = {16, 16}, [AMX_TBH] = {4, 64},
+                                        [AMX_TAH2] = {16, 16}, [AMX_TBH2] = {4, 64}};
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = shape[t][0], c.colsb[t] = shape[t][1];
+    AMX_CONFIG(&c);
+}
+
+/* Run r of the two groups at grp (group_bytes apart) as signed q into b: b[k / 4][4 n + k % 4] is input k of
+ * column n (group n / 8's row n % 8). */
+static inline __attribute__((always_inline)) void amx_unpack(const uint8_t *grp, int64_t group_bytes, int64_t r,
+                                                             const int base, int8_t (*b)[64]) {
+    const int per = x8_runs(base);
+    const __m256i off = _mm256_set1_epi8((char)x8_offset(base));
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *qs = grp + h * group_bytes + r / per * x8_record_bytes(base) + x8_quant_offset(base) +
+                            r % per * x8_run_bytes(base);
+        if (base == GGUF_Q8_0) { /* chunk c: inputs 4 c .. 4 c + 3, already signed */
+            for (int c = 0; c < 8; c++)
+                _mm256_storeu_si256((__m256i *)(b[c] + 32 * h), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            continue;
+        }
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            x8_chunk(qs, c, base, &lo, &hi);
+            _mm256_storeu_si256((__m256i *)(b[2 * c] + 32 * h), _mm256_sub_epi8(lo, off));
+            _mm256_storeu_si256((__m256i *)(b[2 * c + 1] + 32 * h), _mm256_sub_epi8(hi, off));
+        }
+    }
+}
+
+/* x rows m0 .. m0 + rows - 1 of run r: their dots ct (Q6_K: first halves; ct2 the second) scaled into acc[h]
+ * (h: the group) as x8_dot_avx2 does, D, D2, M the groups' scales. */
+static inline __attribute__((always_inline)) void amx_scale(int32_t (*ct)[16], int32_t (*ct2)[16], const __m256 *D,
+                                                            const __m256 *D2, const __m256 *M, const int base,
+                                                            GgufActs a, int64_t runs, int64_t r, int m0, int rows,
+                                                            float (*acc)[GGUF_MAX_ROWS][8]) {
+    for (int m = 0; m < rows; m++) {
+        int64_t at = (m0 + m) * runs + r;
+        __m256 xd = _mm256_set1_ps(a.d[at]);
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_loadu_ps(acc[h][m0 + m]);
+            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(ct[m] + 8 * h))),
+                                _mm256_mul_ps(D[h], xd), v);
+            if (base == GGUF_Q6_K)
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(ct2[m] + 8 * h))),
+                                    _mm256_mul_ps(D2[h], xd), v);
+            if (gguf_has_min(base)) v = _mm256_fmadd_ps(M[h], _mm256_set1_ps(a.s[at]), v);
+            _mm256_storeu_ps(acc[h][m0 + m], v);
+        }
+    }
+}
+
+/* acc[h][m] = x8_dot_avx2's out[m] for group h of the two at grp (group_bytes apart) and a's M x rows. */
+static inline __attribute__((always_inline)) void x8_pair_amx(const uint8_t *grp, int64_t group_bytes, int64_t K,
+                                                              const int base, GgufActs a, int M,
+                                                              float (*acc)[GGUF_MAX_ROWS][8]) {
+    const int64_t runs = K / 32, rb = x8_record_bytes(base);
+    const int per = x8_runs(base), halves = x8_halves(base);
+    int8_t b[8][64] __attribute__((aligned(64)));
+    int8_t pad[16][32] __attribute__((aligned(64)));
+    int32_t ct[16][16] __attribute__((aligned(64))), ct2[16][16] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * 2 * GGUF_MAX_ROWS * 8);
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < runs; r++) {
+        for (int h = 0; h < 2; h++) { /* x8_dot_avx2's prefetch, for each group */
+            const uint8_t *rec = grp + h * group_bytes + r / per * rb;
+            const uint8_t *qs = rec + x8_quant_offset(base) + r % per * x8_run_bytes(base);
+            const uint8_t *ahead = (per == 1 ? rec : qs) + PREFETCH;
+            for (int line = 0; line < (per == 1 ? rb : x8_run_bytes(base)); line += 64)
+                _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        }
+        amx_unpack(grp, group_bytes, r, base, b);
+        __m256 D[2], D2[2], Mn[2];
+        for (int h = 0; h < 2; h++)
+            x8_scales_avx2(grp + h * group_bytes + r / per * rb, (int)(r % per), base, &D[h], &D2[h], &Mn[h]);
+        if (halves) {
+            AMX_LOAD(AMX_TBH, b[0], 64);
+            AMX_LOAD(AMX_TBH2, b[4], 64);
+        } else {
+            AMX_LOAD(AMX_TB, b[0], 64);
+        }
+        for (int m0 = 0; m0 < M; m0 += 16) {
+            const int rows = M - m0 < 16 ? M - m0 : 16;
+            const int8_t *x = a.q + m0 * K + r * 32;
+            int64_t stride = K;
+            if (rows < 16) { /* a tile reads 16 rows: the missing ones from zeros, not past a's end */
+                memset(pad, 0, sizeof pad);
+                for (int m = 0; m < rows; m++) memcpy(pad[m], x + m * K, 32);
+                x = pad[0], stride = 32;
+            }
+            AMX_ZERO(AMX_TC);
+            if (halves) {
+                AMX_ZERO(AMX_TC2);
+                AMX_LOAD(AMX_TAH, x, stride);
+                AMX_LOAD(AMX_TAH2, x + 16, stride);
+                AMX_DPBSSD(AMX_TC, AMX_TAH, AMX_TBH);
+                AMX_DPBSSD(AMX_TC2, AMX_TAH2, AMX_TBH2);
+                AMX_STORE(AMX_TC2, ct2, 64);
+            } else {
+                AMX_LOAD(AMX_TA, x, stride);
+                AMX_DPBSSD(AMX_TC, AMX_TA, AMX_TB);
+            }
+            AMX_STORE(AMX_TC, ct, 64);
+            amx_scale(ct, ct2, D, D2, Mn, base, a, runs, r, m0, rows, acc);
+        }
+    }
+}
+
+/* x8_pair_amx with the type's constants folded (one instance per type, as x8_linear_rows' vector path). */
+static void x8_pair_amx_any(const uint8_t *grp, int64_t group_bytes, int64_t K, int base, GgufActs a, int M,
+                            float (*acc)[GGUF_MAX_ROWS][8]) {
+    switch (base) {
+    case GGUF_Q4_0: x8_pair_amx(grp, group_bytes, K, GGUF_Q4_0, a, M, acc); break;
+    case GGUF_Q4_1: x8_pair_amx(grp, group_bytes, K, GGUF_Q4_1, a, M, acc); break;
+    case GGUF_Q5_0: x8_pair_amx(grp, group_bytes, K, GGUF_Q5_0, a, M, acc); break;
+    case GGUF_Q5_1: x8_pair_amx(grp, group_bytes, K, GGUF_Q5_1, a, M, acc); break;
+    case GGUF_Q4_K: x8_pair_amx(grp, group_bytes, K, GGUF_Q4_K, a, M, acc); break;
+    case GGUF_Q5_K: x8_pair_amx(grp, group_bytes, K, GGUF_Q5_K, a, M, acc); break;
+    case GGUF_Q6_K: x8_pair_amx(grp, group_bytes, K, GGUF_Q6_K, a, M, acc); break;
+    default: x8_pair_amx(grp, group_bytes, K, GGUF_Q8_0, a, M, acc); break;
+    }
+}
+#endif /* AMX */
 #endif
 
 /* A thread's [begin, end) of a packed matrix's rows moved down to whole groups: applied to every
@@ -2618,7 +2851,20 @@ static void x8_linear_rows(const uint8_t *w, int base, const void *bias, int64_t
                            int64_t K, GgufActs a, int M, void *out, int dt) {
     int64_t row_bytes = K / gguf_qk(base) * gguf_block_bytes(base);
     float acc[GGUF_MAX_ROWS][8];
-    for (int64_t n = x8_down(begin); n < x8_down(end); n += 8) {
+    int64_t n = x8_down(begin);
+#ifdef X8_AMX
+    if (amx_on && !gguf_force_scalar && M >= AMX_MIN_ROWS && x8_down(end) - n >= 16) {
+        float pair[2][GGUF_MAX_ROWS][8];
+        amx_configure();
+        for (; n + 16 <= x8_down(end); n += 16) { /* an odd group left goes the vector way */
+            x8_pair_amx_any(w + n * row_bytes, 8 * row_bytes, K, base, a, M, pair);
+            x8_store_avx2(pair[0], bias, n, N, M, out, dt);
+            x8_store_avx2(pair[1], bias, n + 8, N, M, out, dt);
+        }
+        AMX_RELEASE();
+    }
+#endif
+    for (; n < x8_down(end); n += 8) {
         const uint8_t *grp = w + n * row_bytes;
 #if GGUF_AVX2
         if (!gguf_force_scalar) {
@@ -2783,13 +3029,18 @@ int pr_gguf_dequantize(const void *w, void *out, int64_t N, int64_t K, int qt, i
 /* 1: select the scalar paths even where the vector ones exist (tests); 0: back to the default. */
 void pr_gguf_force_scalar(int on) { gguf_force_scalar = on; }
 
-/* 0: GGUF_MAX_ROWS; 1: whether the vector (AVX2) paths are compiled in; 2: the GGUF_X8 flag; -1 for
- * anything else. */
+/* 0: GGUF_MAX_ROWS; 1: whether the vector (AVX2) paths are compiled in; 2: the GGUF_X8 flag; 3: the tile
+ * products an emulated AMX build (PR_AMX_EMULATE) ran so far, 0 in any other; -1 for anything else. */
 int64_t pr_gguf_abi(int what) {
     switch (what) {
     case 0: return GGUF_MAX_ROWS;
     case 1: return GGUF_AVX2;
     case 2: return GGUF_X8;
+#ifdef X8_AMX
+    case 3: return __atomic_load_n(&amx_products, __ATOMIC_RELAXED);
+#else
+    case 3: return 0;
+#endif
     default: return -1;
     }
 }
@@ -3084,14 +3335,19 @@ int pr_decode_layers(const StackLayer *layers, int64_t n, const DecodeStep *S, v
 #else
 #define VARIANT_X8 VARIANT_GGUF
 #endif
+#define VARIANTS(x8) \
+    "linear=" VARIANT_LINEAR " attention=" VARIANT_VEC " norms=" VARIANT_VEC " lora=" VARIANT_VEC \
+    " gguf=" VARIANT_GGUF " gguf_x8=" x8
 #ifdef DOT_BF16
 #define VARIANT_LINEAR "avx512_bf16" /* bfloat16 weights; float32 ones: avx512 */
 #else
 #define VARIANT_LINEAR VARIANT_VEC
 #endif
 const char *pr_kernel_variants(void) {
-    return "linear=" VARIANT_LINEAR " attention=" VARIANT_VEC " norms=" VARIANT_VEC " lora=" VARIANT_VEC
-           " gguf=" VARIANT_GGUF " gguf_x8=" VARIANT_X8;
+#ifdef X8_AMX
+    if (amx_on) return VARIANTS(VARIANT_AMX); /* from AMX_MIN_ROWS rows; fewer: VARIANT_X8 */
+#endif
+    return VARIANTS(VARIANT_X8);
 }
 
 int64_t pr_abi(int what) {

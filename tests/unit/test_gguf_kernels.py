@@ -245,3 +245,42 @@ def test_a_build_without_avx2_runs_the_scalar_paths(tmp_path):
         x, y = torch.randn(5, k), torch.empty(5, 40)
         assert lib.pr_gguf_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 5, 40, k, qtype, 0) == 0
         assert torch.equal(y, cpu.cpu_gguf_linear(x, w, None, qtype, k))
+
+
+def test_the_amx_path_gives_the_vector_paths_bits(tmp_path):
+    """The x8 kernel's AMX path (from 16 x rows, two groups of 8 columns a tile) built with its tile instructions
+    emulated in C (PR_AMX_EMULATE, on top of this CPU's own build; unoptimized, for time: the same bits) gives
+    the vector path's bits for every type: one full tile (16 rows), a full and a zero-padded one (25), and 32 +
+    5 rows (the 5 on the vector path); 40 columns, so a thread's range can end on an odd group, which the vector
+    path takes. On one thread the tile products it ran are exactly what the shapes call for: a pair of groups
+    per 16 columns, a product a run and 16 rows (two for Q6_K's halves of 16)."""
+    compiler = cpu._compiler()
+    if compiler is None or not cpu.gguf_has_vector_paths():
+        pytest.skip("needs a C compiler and the AVX2 paths (the AMX path is built on them)")
+    so = tmp_path / "amx_emulated.so"
+    subprocess.run([compiler, *cpu.ISAS[cpu.info()["isa"]].flags, "-O0", "-DPR_AMX_EMULATE", "-fopenmp", "-shared",
+                    "-fPIC", "-std=c11", str(cpu.SOURCE), "-o", str(so), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    cpu._bind(lib)
+    assert lib.pr_kernel_variants().decode().endswith(" gguf_x8=amx_int8_emulated")
+    assert cpu.kernel_variants()["gguf_x8"] != "amx_int8_emulated" and cpu._lib().pr_gguf_abi(3) == 0
+    threads = torch.get_num_threads()
+    for name in PACKABLE:
+        k = shapes(name)[1]
+        _, w, qtype = weight_as(name, 40, k, packed=True, seed=3)
+        for m in (16, 25, 37):
+            for dtype in (torch.float32, torch.bfloat16):
+                x, bias = torch.randn(m, k).to(dtype), torch.randn(40).to(dtype)
+                for one_thread in (False, True):
+                    torch.set_num_threads(1 if one_thread else threads)
+                    try:
+                        before, out = lib.pr_gguf_abi(3), torch.empty(m, 40, dtype=dtype)
+                        assert lib.pr_gguf_linear(x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), m, 40,
+                                                  k, qtype, int(dtype == torch.bfloat16)) == 0
+                        ran = lib.pr_gguf_abi(3) - before
+                    finally:
+                        torch.set_num_threads(threads)
+                    assert torch.equal(out, cpu.cpu_gguf_linear(x, w, bias, qtype, k)), (name, m, dtype)
+                    if one_thread:
+                        tiles = {16: 1, 25: 2, 37: 2}[m]  # the 32-row pass's; 5 rows are too few for a tile
+                        assert ran == 2 * (k // 32) * tiles * (2 if name == "Q6_K" else 1), (name, m)

@@ -211,8 +211,8 @@ def test_the_isa_setting_names_its_build_and_refuses_what_the_cpu_lacks(monkeypa
             names[name] = cpu.library_path("/c").name
     assert len(set(names.values())) == len(names) >= 2  # auto and scalar at least, on any x86-64
     monkeypatch.setenv(cpu.ISA_ENV, "avx1024")
-    with pytest.raises(ValueError, match="must be one of auto, avx512_vnni, avx512, avx_vnni, avx2, scalar; got "
-                                         "'avx1024'"):
+    with pytest.raises(ValueError, match="must be one of auto, amx, avx512_vnni, avx512, avx_vnni, avx2, scalar; "
+                                         "got 'avx1024'"):
         cpu.isa()
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags\t: fpu sse2 avx avx2 fma f16c")
     monkeypatch.setenv(cpu.ISA_ENV, "avx512")
@@ -230,7 +230,8 @@ def test_the_isa_setting_names_its_build_and_refuses_what_the_cpu_lacks(monkeypa
 def test_each_isa_builds_with_its_flags(monkeypatch):
     """The levels' compiler flags, best first; each is part of the cache key (a build per ISA)."""
     assert {name: " ".join(isa.flags) for name, isa in cpu.ISAS.items()} == {
-        "auto": "-march=native", "avx512_vnni": "-march=x86-64-v4 -mavx512vnni", "avx512": "-march=x86-64-v4",
+        "auto": "-march=native", "amx": "-march=x86-64-v4 -mavx512vnni -mavx512bf16 -mamx-tile -mamx-int8",
+        "avx512_vnni": "-march=x86-64-v4 -mavx512vnni", "avx512": "-march=x86-64-v4",
         "avx_vnni": "-march=x86-64-v3 -mavxvnni", "avx2": "-march=x86-64-v3", "scalar": "-march=x86-64"}
     every_flag = " ".join(flag for isa in cpu.ISAS.values() for flag in isa.needs)
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: f"flags\t: {every_flag}")
@@ -255,7 +256,10 @@ def test_kernel_variants_name_the_path_each_family_was_built_to(monkeypatch):
     assert set(variants_built_for("scalar", monkeypatch).values()) == {"scalar"}
     if not cpu.cpu_has("avx512_vnni"):
         pytest.skip("this CPU lacks AVX512-VNNI: the x8 kernel's vpdpbusd path cannot run here")
-    assert variants_built_for("auto", monkeypatch)["gguf_x8"] == "avx512_vnni"
+    # from 16 rows on an AMX CPU (cpu_ops.c's AMX section; fewer: vpdpbusd)
+    auto_x8 = "amx_int8" if cpu.cpu_has("amx") else "avx512_vnni"
+    assert variants_built_for("auto", monkeypatch)["gguf_x8"] == auto_x8
+    assert variants_built_for("avx512_vnni", monkeypatch)["gguf_x8"] == "avx512_vnni"
     assert variants_built_for("avx512", monkeypatch) == dict.fromkeys(FAMILIES[:4], "avx512") | {
         "gguf": "avx2", "gguf_x8": "avx2"}  # x86-64-v4 without VNNI: the x8 kernel's AVX2 path
 

@@ -142,7 +142,8 @@ def test_the_cpu_isa_is_one_setting_backed_by_its_variable(monkeypatch, capsys):
     monkeypatch.setenv("PAGED_RUNTIME_CPU_ISA", "avx2")
     assert (EngineConfig().cpu_isa, serve().cpu_isa, kserve().cpu_isa, ray().cpu_isa) == ("avx2",) * 4
     assert serve("--cpu-isa", "avx512_vnni").cpu_isa == "avx512_vnni"  # a flag wins over the environment
-    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512_vnni, avx512, avx_vnni, avx2, scalar; "
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, amx, avx512_vnni, avx512, avx_vnni, avx2, "
+                                         "scalar; "
                                          "got 'avx1024'"):
         EngineConfig(cpu_isa="avx1024")
     monkeypatch.setenv("PAGED_RUNTIME_CPU_ISA", "sse4")
