@@ -28,7 +28,7 @@ def workload():
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 40, 17, 70, 1)]
     # Different lengths: the decode batch shrinks 5 -> 1, replaying padded sizes 6, 4 and exact ones.
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (6, 9, 12, 15, 18)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (5, 6, 7, 8, 9)]
     return [{"prompt_token_ids": p} for p in prompts], params
 
 

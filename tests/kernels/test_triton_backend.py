@@ -33,7 +33,7 @@ def prompts() -> list[list[int]]:
 
 def generate_twice(llm) -> list[list[int]]:
     """The second pass hits the prefix cache the first one filled."""
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = []
     for _ in range(2):
         got = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
