@@ -2625,8 +2625,8 @@ static void x8_store_avx2(float (*acc)[8], const void *bias, int64_t n, int64_t 
  *
  * PR_AMX_EMULATE builds the same code with the tile instructions written in C from their definitions (Intel
  * SDM: LDTILECFG, TILELOADD, TILEZERO, TDPBSSD, TILESTORED), so a CPU without AMX runs the layout, the
- * tails and the scaling (tests/unit/test_gguf_amx.py); the instructions themselves run only on a CPU that has
- * them. */
+ * tails and the scaling (tests/unit/test_gguf_kernels.py); the instructions themselves run only on a CPU that
+ * has them. */
 #if defined(__AMX_INT8__) || defined(PR_AMX_EMULATE)
 #define X8_AMX 1
 #define AMX_MIN_ROWS 16 /* fewer x rows than a tile: the vector path */
