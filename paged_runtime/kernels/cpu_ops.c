@@ -2554,19 +2554,34 @@ static inline __attribute__((always_inline)) void x8_scales_avx2(const uint8_t *
     }
 }
 
+/* Run r of the group at grp: the record holding it (its block's, for the 8 rows) and the run's quants in it. */
+static inline const uint8_t *x8_record(const uint8_t *grp, int64_t r, const int base) {
+    return grp + r / x8_runs(base) * x8_record_bytes(base);
+}
+static inline const uint8_t *x8_quants(const uint8_t *rec, int64_t r, const int base) {
+    return rec + x8_quant_offset(base) + r % x8_runs(base) * x8_run_bytes(base);
+}
+
+/* PREFETCH bytes ahead of run r's reads: a whole record of one run, else the run's quants (a K-quant record's
+ * scales are read 8 times). */
+static inline __attribute__((always_inline)) void x8_prefetch(const uint8_t *rec, const uint8_t *qs, const int base) {
+    const int whole = x8_runs(base) == 1;
+    const uint8_t *ahead = (whole ? rec : qs) + PREFETCH;
+    for (int line = 0; line < (whole ? x8_record_bytes(base) : x8_run_bytes(base)); line += 64)
+        _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+}
+
 /* x8_dot_scalar's acc for G (1 to X8_ROWS) x rows from g0 (lanes: the group's 8 rows) into out[g0 ..]. */
 static inline __attribute__((always_inline)) void x8_dot_avx2(const uint8_t *grp, int64_t K, const int base,
                                                               GgufActs a, int64_t g0, const int G, float (*out)[8]) {
-    const int64_t runs = K / 32, rb = x8_record_bytes(base);
-    const int per = x8_runs(base), off = x8_quant_offset(base), run_bytes = x8_run_bytes(base);
+    const int64_t runs = K / 32;
+    const int per = x8_runs(base);
     __m256 acc[X8_ROWS];
     for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
 #pragma GCC unroll 1
     for (int64_t r = 0; r < runs; r++) {
-        const uint8_t *rec = grp + r / per * rb, *qs = rec + off + r % per * run_bytes;
-        /* a whole record of one run, else the run's quants (a K-quant record's scales are read 8 times) */
-        const uint8_t *ahead = (per == 1 ? rec : qs) + PREFETCH;
-        for (int line = 0; line < (per == 1 ? rb : run_bytes); line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        const uint8_t *rec = x8_record(grp, r, base), *qs = x8_quants(rec, r, base);
+        x8_prefetch(rec, qs, base);
         __m256i t[X8_ROWS], t2[X8_ROWS];
         x8_idot_avx2(qs, a.q + g0 * K + r * 32, K, base, G, t, t2);
         __m256 D, D2, M;
@@ -2699,7 +2714,6 @@ static const int amx_on = 1;
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #define AMX_RELEASE() _tile_release()
-static const int64_t amx_products = 0;
 /* Linux gives a process the tile state (8 KB more of XSAVE) only when asked (ARCH_REQ_XCOMP_PERM for
  * XFEATURE_XTILEDATA, Linux 5.16+), for all its threads; before that a tile instruction faults. Asked once,
  * at load; refused (an older kernel, a seccomp filter), the x8 kernel keeps its vector path. */
@@ -2724,15 +2738,13 @@ static void amx_configure(void) {
     AMX_CONFIG(&c);
 }
 
-/* Run r of the two groups at grp (group_bytes apart) as signed q into b: b[k / 4][4 n + k % 4] is input k of
+/* A run's quants of two groups (qs[h]: group h's) as signed q into b: b[k / 4][4 n + k % 4] is input k of
  * column n (group n / 8's row n % 8). */
-static inline __attribute__((always_inline)) void amx_unpack(const uint8_t *grp, int64_t group_bytes, int64_t r,
-                                                             const int base, int8_t (*b)[64]) {
-    const int per = x8_runs(base);
+static inline __attribute__((always_inline)) void amx_unpack(const uint8_t *const *quants, const int base,
+                                                             int8_t (*b)[64]) {
     const __m256i off = _mm256_set1_epi8((char)x8_offset(base));
     for (int h = 0; h < 2; h++) {
-        const uint8_t *qs = grp + h * group_bytes + r / per * x8_record_bytes(base) + x8_quant_offset(base) +
-                            r % per * x8_run_bytes(base);
+        const uint8_t *qs = quants[h];
         if (base == GGUF_Q8_0) { /* chunk c: inputs 4 c .. 4 c + 3, already signed */
             for (int c = 0; c < 8; c++)
                 _mm256_storeu_si256((__m256i *)(b[c] + 32 * h), _mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
@@ -2748,26 +2760,11 @@ static inline __attribute__((always_inline)) void amx_unpack(const uint8_t *grp,
 }
 
 /* x rows m0 .. m0 + rows - 1 of run r: their dots ct (Q6_K: first halves; ct2 the second) scaled into acc (16
- * columns a row: group h's at 8 h) as x8_dot_avx2 does, D, D2, M the groups' scales. With AVX-512 (every AMX
- * CPU) 16 columns an instruction, else 8: the same operations lane by lane. */
+ * columns a row: group h's at 8 h) as x8_dot_avx2 does, D, D2, M the groups' scales. */
 static inline __attribute__((always_inline)) void amx_scale(int32_t (*ct)[16], int32_t (*ct2)[16], const __m256 *D,
                                                             const __m256 *D2, const __m256 *M, const int base,
                                                             GgufActs a, int64_t runs, int64_t r, int m0, int rows,
                                                             float (*acc)[16]) {
-#ifdef __AVX512F__
-    const __m512 D16 = _mm512_insertf32x8(_mm512_castps256_ps512(D[0]), D[1], 1);
-    const __m512 D2_16 = _mm512_insertf32x8(_mm512_castps256_ps512(D2[0]), D2[1], 1);
-    const __m512 M16 = _mm512_insertf32x8(_mm512_castps256_ps512(M[0]), M[1], 1);
-    for (int m = 0; m < rows; m++) {
-        int64_t at = (m0 + m) * runs + r;
-        __m512 xd = _mm512_set1_ps(a.d[at]), v = _mm512_loadu_ps(acc[m0 + m]);
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(ct[m])), _mm512_mul_ps(D16, xd), v);
-        if (base == GGUF_Q6_K)
-            v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(ct2[m])), _mm512_mul_ps(D2_16, xd), v);
-        if (gguf_has_min(base)) v = _mm512_fmadd_ps(M16, _mm512_set1_ps(a.s[at]), v);
-        _mm512_storeu_ps(acc[m0 + m], v);
-    }
-#else
     for (int m = 0; m < rows; m++) {
         int64_t at = (m0 + m) * runs + r;
         __m256 xd = _mm256_set1_ps(a.d[at]);
@@ -2782,32 +2779,28 @@ static inline __attribute__((always_inline)) void amx_scale(int32_t (*ct)[16], i
             _mm256_storeu_ps(acc[m0 + m] + 8 * h, v);
         }
     }
-#endif
 }
 
 /* acc[m][8 h ..] = x8_dot_avx2's out[m] for group h of the two at grp (group_bytes apart) and a's M x rows. */
 static inline __attribute__((always_inline)) void x8_pair_amx(const uint8_t *grp, int64_t group_bytes, int64_t K,
                                                               const int base, GgufActs a, int M,
                                                               float (*acc)[16]) {
-    const int64_t runs = K / 32, rb = x8_record_bytes(base);
-    const int per = x8_runs(base), halves = x8_halves(base);
+    const int64_t runs = K / 32;
+    const int halves = x8_halves(base);
     int8_t b[8][64] __attribute__((aligned(64)));
     int8_t pad[16][32] __attribute__((aligned(64)));
     int32_t ct[16][16] __attribute__((aligned(64))), ct2[16][16] __attribute__((aligned(64)));
     memset(acc, 0, sizeof(float) * 16 * M);
 #pragma GCC unroll 1
     for (int64_t r = 0; r < runs; r++) {
-        for (int h = 0; h < 2; h++) { /* x8_dot_avx2's prefetch, for each group */
-            const uint8_t *rec = grp + h * group_bytes + r / per * rb;
-            const uint8_t *qs = rec + x8_quant_offset(base) + r % per * x8_run_bytes(base);
-            const uint8_t *ahead = (per == 1 ? rec : qs) + PREFETCH;
-            for (int line = 0; line < (per == 1 ? rb : x8_run_bytes(base)); line += 64)
-                _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
-        }
-        amx_unpack(grp, group_bytes, r, base, b);
+        const uint8_t *rec[2], *qs[2];
         __m256 D[2], D2[2], Mn[2];
-        for (int h = 0; h < 2; h++)
-            x8_scales_avx2(grp + h * group_bytes + r / per * rb, (int)(r % per), base, &D[h], &D2[h], &Mn[h]);
+        for (int h = 0; h < 2; h++) {
+            rec[h] = x8_record(grp + h * group_bytes, r, base), qs[h] = x8_quants(rec[h], r, base);
+            x8_prefetch(rec[h], qs[h], base);
+            x8_scales_avx2(rec[h], (int)(r % x8_runs(base)), base, &D[h], &D2[h], &Mn[h]);
+        }
+        amx_unpack(qs, base, b);
         if (halves) {
             AMX_LOAD(AMX_TBH, b[0], 64);
             AMX_LOAD(AMX_TBH2, b[4], 64);
@@ -3053,10 +3046,11 @@ int64_t pr_gguf_abi(int what) {
     case 0: return GGUF_MAX_ROWS;
     case 1: return GGUF_AVX2;
     case 2: return GGUF_X8;
-#ifdef X8_AMX
-    case 3: return __atomic_load_n(&amx_products, __ATOMIC_RELAXED);
+    case 3:
+#if defined(X8_AMX) && defined(PR_AMX_EMULATE)
+        return __atomic_load_n(&amx_products, __ATOMIC_RELAXED);
 #else
-    case 3: return 0;
+        return 0;
 #endif
     default: return -1;
     }

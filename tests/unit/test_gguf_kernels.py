@@ -263,7 +263,7 @@ def test_the_amx_path_gives_the_vector_paths_bits(tmp_path):
     lib = ctypes.CDLL(str(so))
     cpu._bind(lib)
     assert lib.pr_kernel_variants().decode().endswith(" gguf_x8=amx_int8_emulated")
-    assert cpu.kernel_variants()["gguf_x8"] != "amx_int8_emulated" and cpu._lib().pr_gguf_abi(3) == 0
+    assert cpu._lib().pr_gguf_abi(3) == 0  # the count exists in emulated builds only
     threads = torch.get_num_threads()
     for name in PACKABLE:
         k = shapes(name)[1]
