@@ -357,8 +357,13 @@ def allocate_kv_caches(model, num_slots: int, dtype: torch.dtype, device: torch.
     cache_dtype = kv_quant.cache_dtype(kv_cache_dtype, dtype)
 
     def zeros(shape):
-        return huge_page_zeros(shape, cache_dtype) if device.type == "cpu" else torch.zeros(
-            shape, dtype=cache_dtype, device=device)
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=cache_dtype, device=device)
+        try:
+            return huge_page_zeros(shape, cache_dtype)
+        except MemoryError as e:
+            raise MemoryError(f"the KV cache does not fit in this machine's memory ({e}, one layer's {num_slots} "
+                              f"slots); give it less (kv_cache_memory)") from e
     kv_caches = [zeros((num_slots, 2, layer.num_kv_heads, layer.head_dim)) for layer in attention_layers(model)]
     kv_scales = [kv_quant.allocate_scale(kv_cache) for kv_cache in kv_caches]
     bind_kv_caches(model, kv_caches, kv_scales)
