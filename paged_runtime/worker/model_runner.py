@@ -362,8 +362,8 @@ def allocate_kv_caches(model, num_slots: int, dtype: torch.dtype, device: torch.
         try:
             return huge_page_zeros(shape, cache_dtype)
         except MemoryError as e:
-            raise MemoryError(f"the KV cache does not fit in this machine's memory ({e}, one layer's {num_slots} "
-                              f"slots); give it less (kv_cache_memory)") from e
+            raise MemoryError(f"the KV cache ({num_slots} slots a layer) does not fit in this machine's memory: "
+                              f"{e}; give it less (kv_cache_memory)") from e
     kv_caches = [zeros((num_slots, 2, layer.num_kv_heads, layer.head_dim)) for layer in attention_layers(model)]
     kv_scales = [kv_quant.allocate_scale(kv_cache) for kv_cache in kv_caches]
     bind_kv_caches(model, kv_caches, kv_scales)
