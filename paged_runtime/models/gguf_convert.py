@@ -99,7 +99,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         ids = _special_ids(reader)
         _write_json(tmp / "config.json", _build_config(hp, ids, tied))
         _write_json(tmp / "generation_config.json", _generation_config(ids, _end_of_turn_id(reader, hp["spec"])))
-        _write_tokenizer(gguf_path, reader, tmp)
+        _write_tokenizer(gguf_path, reader, tmp, hp["spec"].model_type)
         _make_readable(tmp)
         _install(tmp, out_dir)
     finally:
@@ -368,15 +368,13 @@ def _write_json(path: Path, obj: dict) -> None:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
-    from transformers import AutoTokenizer
-
+def _write_tokenizer(gguf_path: Path, reader, out: Path, model_type: str) -> None:
     # Load from a private folder holding only the GGUF so stray tokenizer
     # files next to the original cannot shadow the GGUF's vocabulary.
     with tempfile.TemporaryDirectory(dir=out) as scratch:
         link = Path(scratch) / gguf_path.name
         link.symlink_to(gguf_path.resolve())
-        tok = AutoTokenizer.from_pretrained(scratch, gguf_file=link.name, local_files_only=True)
+        tok = _tokenizer_class(model_type).from_pretrained(scratch, gguf_file=link.name, local_files_only=True)
     template = _field(reader, "tokenizer.chat_template", None)
     if template is not None:
         tok.chat_template = template
@@ -385,6 +383,22 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
     specials = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     _write_json(out / "special_tokens_map.json", {k: v for k, v in specials.items() if v})
     _check_eos(tok, reader)
+
+
+def _tokenizer_class(model_type: str):
+    """The class AutoTokenizer picks for a GGUF of this family, without its reading the file again.
+
+    AutoTokenizer learns the model type by parsing the whole GGUF (9 s for the default model's
+    49k-token vocabulary, after our own read), then takes the type's registered tokenizer; the
+    class matters (Gemma's and Qwen's write other files than the generic one).
+    """
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    found = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(model_type)), None)
+    if isinstance(found, tuple):  # transformers 4: (slow, fast)
+        found = found[1] or found[0]
+    return found or PreTrainedTokenizerFast  # transformers 5's fallback, TokenizersBackend, by its old name
 
 
 def _patch_tokenizer_config(path: Path, reader, template: str | None) -> None:

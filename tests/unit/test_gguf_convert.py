@@ -135,10 +135,12 @@ def test_tokenizer(smol_dir):
 
 
 @needs_smol
-def test_tokenizer_matches_transformers_gguf(smol_dir):
+def test_tokenizer_matches_transformers_gguf(smol_dir, tmp_path):
     ours = transformers.AutoTokenizer.from_pretrained(str(smol_dir))
     ref = transformers.AutoTokenizer.from_pretrained(
         str(SMOL_GGUF.parent), gguf_file=SMOL_GGUF.name, local_files_only=True)
+    ref.save_pretrained(tmp_path)
+    assert (smol_dir / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
     for text in ["The quick brown fox.", "<|im_start|>user\nx<|im_end|>", "  a\tb 3.14"]:
         assert ours(text).input_ids == ref(text).input_ids
 

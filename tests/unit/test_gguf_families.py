@@ -1,6 +1,6 @@
 """GGUF files of the newer families convert to folders transformers loads as the original model.
 
-Per family (Qwen3, Qwen3-MoE, Gemma 3, Phi-3 with LongRoPE, Mixtral = llama with experts) a tiny random
+Per family (Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3 with LongRoPE, Mixtral = llama with experts) a tiny random
 HF model is saved with ``save_pretrained`` (the published checkpoint names), then written to GGUF the way
 llama.cpp's convert_hf_to_gguf.py does: names from gguf-py's own tensor map, q/k rows permuted for llama,
 +1 on Gemma's RMSNorm weights, experts stacked ``[E, ...]``, Phi-3's LongRoPE factors as tensors and its
@@ -47,6 +47,12 @@ def _qwen3():
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
 
 
+def _qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **_COMMON, intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
 def _qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -83,6 +89,7 @@ def _mixtral():
 
 
 FAMILIES = {  # GGUF general.architecture -> tiny model builder
+    "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3moe": _qwen3_moe,
     "gemma3": _gemma3,
@@ -266,7 +273,8 @@ def test_config_keys(family):
     arch, model, hf_dir, _, out = family
     cfg, saved = json.loads((out / "config.json").read_text()), json.loads((hf_dir / "config.json").read_text())
     assert cfg["architectures"] == saved["architectures"] and cfg["model_type"] == saved["model_type"]
-    keys = {"qwen3": ["head_dim", "tie_word_embeddings"],
+    keys = {"qwen2": ["intermediate_size", "tie_word_embeddings"],
+            "qwen3": ["head_dim", "tie_word_embeddings"],
             "qwen3moe": ["num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"],
             "gemma3": ["sliding_window", "layer_types", "query_pre_attn_scalar", "head_dim", "hidden_activation"],
             "phi3": ["original_max_position_embeddings", "max_position_embeddings", "tie_word_embeddings"],
@@ -299,6 +307,37 @@ def test_matches_transformers_gguf_loader(family):
     assert ref_sd.keys() == our_sd.keys()
     for name in ref_sd:
         assert torch.equal(ref_sd[name], our_sd[name]), name
+
+
+def test_tokenizer_files_equal_transformers_own(family, tmp_path):
+    """The tokenizer is the one transformers' AutoTokenizer makes of the same GGUF, file for file.
+
+    The converter picks its class from the family's model type; the class matters (Gemma's and Qwen's
+    write other files than the generic one)."""
+    _, _, _, gguf_path, out = family
+    ref = transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    ref.save_pretrained(tmp_path)
+    assert (out / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
+    ours, theirs = (json.loads((d / "tokenizer_config.json").read_text()) for d in (out, tmp_path))
+    patched = {"tokenizer_class", "add_bos_token", "add_eos_token", "chat_template", "is_local", "local_files_only"}
+    assert {k: v for k, v in ours.items() if k not in patched} == {
+        k: v for k, v in theirs.items() if k not in patched}
+
+
+def test_conversion_reads_the_file_once(family, tmp_path, monkeypatch):
+    """gguf-py's reader parses every metadata array on open (seconds for a 49k-token vocabulary):
+    learning the tokenizer's class must not open the file a second time."""
+    opened = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            opened.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    convert_gguf(family[3], tmp_path / "out")
+    assert len(opened) == 1
 
 
 def test_gemma3_layer_pattern_from_the_file(tmp_path):
@@ -392,7 +431,8 @@ def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch)
     # weights; the compiled kernels round activations to 8 bits (test_gguf_blocks_served.py bounds them).
     llm = make_llm(path, max_model_len=160, max_num_batched_tokens=24, max_num_seqs=4,
                    kv_cache_memory=10 * block_bytes, block_size=16, cpu_kernels=False)
-    assert type(llm.engine.core.runner.model).__name__ == type(model).__name__
+    # Qwen2 runs as Llama with q/k/v biases (models/llama.py).
+    assert type(llm.engine.core.runner.model).__name__ == {"qwen2": "LlamaForCausalLM"}.get(arch, type(model).__name__)
     (converted,) = (d for d in (tmp_path / "cache").iterdir() if (d / "config.json").exists())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     rng = np.random.default_rng(3)
