@@ -1266,28 +1266,45 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         }
 }
 
-/* ATTEND(chunks, dt, kv_dt) with constants for the common head sizes and each cache kind: the widened rows stay
- * in registers (an fp8 cache read through the runtime-chunk loop made a decode step at 512 tokens 1.37x bf16's;
- * 0.99x so). Needs chunks, dt and P in scope. */
-#define ATTEND_KV(kv_dt_)                                                                                     \
-    if (dt == BF16 && chunks == 4) ATTEND(4, BF16, kv_dt_);                                                   \
-    else if (dt == BF16 && chunks == 8) ATTEND(8, BF16, kv_dt_);                                              \
-    else if (chunks == 4) ATTEND(4, F32, kv_dt_);                                                             \
-    else if (chunks == 8) ATTEND(8, F32, kv_dt_);                                                             \
-    else ATTEND(chunks, dt, kv_dt_);
-#define ATTEND_VARIANTS                                                                                       \
-    if (P->kv_dt == KV_FP8) { ATTEND_KV(KV_FP8) }                                                             \
-    else if (P->kv_dt == KV_INT8) { ATTEND_KV(KV_INT8) }                                                      \
-    else if (P->kv_dt == KV_BF16) { ATTEND_KV(KV_BF16) }                                                      \
-    else { ATTEND_KV(KV_MODEL) }
+/* The variants of a kernel: (chunks, dt, kv_dt) constants for the common head sizes and each cache kind, the
+ * widened rows kept in registers (an fp8 cache read through the runtime-chunk loop made a decode step at 512
+ * tokens 1.37x bf16's; 0.99x so), and the runtime-chunk one. X(chunks, dt, kv_dt, when) for each, in the order
+ * a dispatch tries them. */
+#define ATTEND_KV(X, kv_dt_)                                                                                  \
+    X(4, BF16, kv_dt_, dt == BF16 && chunks == 4) X(8, BF16, kv_dt_, dt == BF16 && chunks == 8)              \
+    X(4, F32, kv_dt_, chunks == 4) X(8, F32, kv_dt_, chunks == 8) X(chunks, dt, kv_dt_, 1)
+#define ATTEND_VARIANTS(X) ATTEND_KV(X, KV_FP8) ATTEND_KV(X, KV_INT8) ATTEND_KV(X, KV_BF16) ATTEND_KV(X, KV_MODEL)
+/* Each variant is a function of its own: the twenty inlined into one dispatching function made the compiler's
+ * passes superlinear in its size (the file took 72 s to build, these variants 50 s of it). */
+#define ATTEND_NAME(kernel, chunks_, dt_, kv_dt_) kernel##_##chunks_##_##dt_##_##kv_dt_
+/* A variant: kernel_impl with the constants; ATTEND_PARAMS / ATTEND_ARGS: the kernel's own parameters. */
+#define ATTEND_DEFINE(kernel, chunks_, dt_, kv_dt_)                                                           \
+    static __attribute__((noinline)) void ATTEND_NAME(kernel, chunks_, dt_, kv_dt_)(                          \
+        ATTEND_PARAMS, const int64_t chunks, const int dt) {                                                  \
+        (void)chunks, (void)dt;                                                                               \
+        kernel##_impl(ATTEND_ARGS, chunks_, dt_, kv_dt_);                                                     \
+    }
+#define ATTEND_DISPATCH(kernel, chunks_, dt_, kv_dt_, when)                                                   \
+    if (P->kv_dt == kv_dt_ && (when)) {                                                                       \
+        ATTEND_NAME(kernel, chunks_, dt_, kv_dt_)(ATTEND_ARGS, chunks, dt);                                   \
+        return;                                                                                               \
+    }
 
-static void attend_group(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b,
-                         int64_t g, int64_t gn, float *scratch, void *out, float *xf, int dt) {
+#define ATTEND_PARAMS const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g, \
+                      int64_t gn, float *scratch, void *out, float *xf
+#define ATTEND_ARGS P, q, q_stride, kv_cache, b, g, gn, scratch, out, xf
+#define DEFINE(chunks_, dt_, kv_dt_, when) ATTEND_DEFINE(attend_group, chunks_, dt_, kv_dt_)
+#define DISPATCH(chunks_, dt_, kv_dt_, when) ATTEND_DISPATCH(attend_group, chunks_, dt_, kv_dt_, when)
+ATTEND_VARIANTS(DEFINE)
+
+static void attend_group(ATTEND_PARAMS, int dt) {
     int64_t chunks = P->dim / 16;
-#define ATTEND(chunks_, dt_, kv_dt_) attend_group_impl(P, q, q_stride, kv_cache, b, g, gn, scratch, out, xf, chunks_, dt_, kv_dt_)
-    ATTEND_VARIANTS
-#undef ATTEND
+    ATTEND_VARIANTS(DISPATCH)
 }
+#undef DISPATCH
+#undef DEFINE
+#undef ATTEND_ARGS
+#undef ATTEND_PARAMS
 
 
 /* Lane t: query qv's score against key t of the 16 whose transpose is kt (kt[d * 16 + t]: element d of key t),
@@ -1406,15 +1423,26 @@ static inline __attribute__((always_inline)) void attend_tile_impl(
         }
 }
 
-static void attend_tile(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b0,
-                        int64_t nq, int64_t g, float *scratch, void *out, float *xf, int dt) {
+#define ATTEND_PARAMS const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b0, \
+                      int64_t nq, int64_t g, float *scratch, void *out, float *xf
+#define ATTEND_ARGS P, q, q_stride, kv_cache, b0, nq, g, scratch, out, xf
+#define DEFINE(chunks_, dt_, kv_dt_, when) ATTEND_DEFINE(attend_tile, chunks_, dt_, kv_dt_)
+#define DISPATCH(chunks_, dt_, kv_dt_, when) ATTEND_DISPATCH(attend_tile, chunks_, dt_, kv_dt_, when)
+ATTEND_VARIANTS(DEFINE)
+
+static void attend_tile(ATTEND_PARAMS, int dt) {
     int64_t chunks = P->dim / 16;
-#define ATTEND(chunks_, dt_, kv_dt_) attend_tile_impl(P, q, q_stride, kv_cache, b0, nq, g, scratch, out, xf, chunks_, dt_, kv_dt_)
-    ATTEND_VARIANTS
-#undef ATTEND
+    ATTEND_VARIANTS(DISPATCH)
 }
+#undef DISPATCH
+#undef DEFINE
+#undef ATTEND_ARGS
+#undef ATTEND_PARAMS
 #undef ATTEND_VARIANTS
 #undef ATTEND_KV
+#undef ATTEND_DISPATCH
+#undef ATTEND_DEFINE
+#undef ATTEND_NAME
 
 /* The rows from b on (at most TILE_ROWS, 1 at least) that read the same slots: each one's block table agrees
  * with row b's over the blocks the longest of them reads. A prompt chunk's rows (one request's tokens) and a
