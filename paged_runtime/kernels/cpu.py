@@ -1,9 +1,9 @@
 """CPU decode kernels: ``cpu_ops.c``, compiled on first use, exposed as ``paged_runtime::cpu_*`` ops.
 
 The library is built with the system C compiler (``-O3 -march=native -fopenmp``;
-38 s on a 2-core Zen 3 with gcc 12, 48 s for the AVX-512 build) into ``<cache_dir>/kernels/``, named by a hash of the source,
-the compiler, its flags and the CPU's feature flags, so a later start loads it at once and a
-changed source or machine rebuilds it. ``EngineConfig.cpu_isa`` (``--cpu-isa``,
+38 s on a 2-core Zen 3 with gcc 12, 48 s for the AVX-512 build) into ``<cache_dir>/kernels/``,
+named by a hash of the source, the compiler, its flags and the CPU's feature flags, so a later
+start loads it at once and a changed source or machine rebuilds it. ``EngineConfig.cpu_isa`` (``--cpu-isa``,
 ``$PAGED_RUNTIME_CPU_ISA``) builds it for less than this CPU has (``ISAS``: ``avx2`` on an AVX-512 CPU
 runs the AVX2 paths, as on a CPU without AVX-512; ``scalar`` the plain loops), like PyTorch's
 ``ATEN_CPU_CAPABILITY``: tests run every variant the CPU can, and a user can rule out a path. The library

@@ -431,8 +431,7 @@ def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch)
     # weights; the compiled kernels round activations to 8 bits (test_gguf_blocks_served.py bounds them).
     llm = make_llm(path, max_model_len=160, max_num_batched_tokens=24, max_num_seqs=4,
                    kv_cache_memory=10 * block_bytes, block_size=16, cpu_kernels=False)
-    # Qwen2 runs as Llama with q/k/v biases (models/llama.py).
-    assert type(llm.engine.core.runner.model).__name__ == {"qwen2": "LlamaForCausalLM"}.get(arch, type(model).__name__)
+    assert type(llm.engine.core.runner.model) is registry.family(type(model).__name__).model_class
     (converted,) = (d for d in (tmp_path / "cache").iterdir() if (d / "config.json").exists())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     rng = np.random.default_rng(3)
