@@ -4,11 +4,13 @@ n-gram speculation, decode batches both within the fused kernel's row limit and 
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 import torch
 
 from conftest import assert_idle, count_decode_steps, make_llm
+from helpers.near_ties import first_difference, logprob_differences, parting_problems
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu
@@ -31,9 +33,13 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def generate(llm, prompts, params) -> list[list[int]]:
+def completions(llm, prompts, params) -> list:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0] for o in outs]
+
+
+def generate(llm, prompts, params) -> list[list[int]]:
+    return [c.token_ids for c in completions(llm, prompts, params)]
 
 
 @pytest.mark.parametrize("max_num_seqs, num_blocks", [(4, 24), (48, 128)], ids=["fused-layer", "per-op"])
@@ -64,15 +70,28 @@ def test_kernels_match_the_pytorch_path(tiny_llama_dir, monkeypatch, max_num_seq
     assert_idle(kernels)
 
 
+# float32 activations over a bfloat16 cache: both paths store each K/V element rounded to bfloat16, but their
+# float32 sums differ in order, and where one lands the element's value on the other side of a rounding midpoint
+# the two caches hold it one bfloat16 step apart (2^-8 relative). That moves a logprob by up to ~5e-3 nats here
+# (measured on a Xeon with AMX, whose PyTorch sums in AVX-512 order: a Zen 3's happened to give the same tokens),
+# and flips a greedy token where the top two are closer than that. Almost every logprob agrees to float32's noise.
+# Rounding by truncation instead (into K only) moved them by up to 0.12 nats, the median by 6e-3 (measured).
+BFLOAT16_STEP_NATS = 0.02  # the most any logprob, or a parting's gap, may move
+FLOAT32_NOISE_NATS = 1e-4  # the most the median logprob may move
+
+
 @pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
                          ids=["plain", "ngram"])
 def test_a_bfloat16_cache_under_float32_gives_the_pytorch_paths_tokens(tiny_llama_dir, monkeypatch,
                                                                        speculative_config):
     """float32 activations over a bfloat16 KV cache (a GGUF's default on the CPU): the compiled decode step and
     the C attention, which round K/V into the cache and widen them back themselves, give the plain PyTorch path's
-    tokens, with chunked prefill, prefix-cache hits and preemption (24 blocks, half float32's bytes each)."""
+    tokens until a near-tie, and its logprobs within a bfloat16 step, with chunked prefill, prefix-cache hits and
+    preemption (24 blocks, half float32's bytes each)."""
     fused_calls = count_decode_steps(monkeypatch)
     prompts, params = workload()
+    for p in params:
+        p.logprobs = 3
     common = dict(kv_cache_dtype="bfloat16", max_model_len=384, max_num_batched_tokens=64, max_num_seqs=4,
                   kv_cache_memory=24 * TINY_BYTES_PER_BLOCK // 2, speculative_config=speculative_config)
     eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
@@ -82,10 +101,14 @@ def test_a_bfloat16_cache_under_float32_gives_the_pytorch_paths_tokens(tiny_llam
         assert (core.dtype, core.num_blocks) == (torch.float32, 24)
         assert core.executor.worker.model.layers[0].self_attn.attn.kv_cache.dtype == torch.bfloat16
     assert kernels.engine.core.ops.name == "cpu-kernels" and eager.engine.core.ops.name == "torch"
-    expected = generate(eager, prompts, params)
+    expected = completions(eager, prompts, params)
     assert not fused_calls
-    assert generate(kernels, prompts, params) == expected
+    got = completions(kernels, prompts, params)
     assert fused_calls
+    assert not parting_problems(expected, got, BFLOAT16_STEP_NATS)
+    diffs = logprob_differences(expected, got)
+    assert max(diffs) <= BFLOAT16_STEP_NATS and statistics.median(diffs) <= FLOAT32_NOISE_NATS
+    assert sum(first_difference(e, g) is None for e, g in zip(expected, got)) >= len(prompts) - 2
     assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0
     assert_idle(kernels)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import assert_idle, count_decode_steps, make_llm
+from helpers.near_ties import logprob_differences, parting_problems
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu, kv_quant
@@ -188,41 +189,6 @@ def greedy(llm) -> list:
     return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def first_difference(ref, out) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b), None)
-
-
-def spread(refs, outs) -> float:
-    """The largest logprob difference of a token both list, at every position where the two saw the same text."""
-    diffs = [abs(ref.logprobs[j][t].logprob - out.logprobs[j][t].logprob)
-             for ref, out in zip(refs, outs) for j in range(first_difference(ref, out) or len(ref.token_ids))
-             for t in ref.logprobs[j].keys() & out.logprobs[j].keys()]
-    return max(diffs)
-
-
-def parting_problems(refs, outs, bound: float) -> list[str]:
-    """Where a completion parts from the reference (the same text before it, so the same question asked of
-    both), each side's token must be a near-tie seen from both sides: in both top-TOP lists, and within
-    ``bound`` nats of the other side's choice under both distributions. A wrong cache read diverges at once
-    to a token the reference finds far less likely (outside its top 5 of 49,152, or many nats behind)."""
-    problems = []
-    for p, (ref, out) in enumerate(zip(refs, outs)):
-        i = first_difference(ref, out)
-        if i is None:
-            continue
-        a, b = ref.token_ids[i], out.token_ids[i]
-        ref_lp, out_lp = ref.logprobs[i], out.logprobs[i]
-        if b not in ref_lp or a not in out_lp:
-            problems.append(f"prompt {p} token {i}: {b} not in the reference's top {TOP} or {a} not in its own")
-            continue
-        gaps = (ref_lp[a].logprob - ref_lp[b].logprob, out_lp[b].logprob - out_lp[a].logprob)
-        print(f"  prompt {p} parts at token {i}: {gaps[0]:.3f} nats behind the reference's choice, "
-              f"{gaps[1]:.3f} ahead in its own")
-        if max(gaps) > bound:
-            problems.append(f"prompt {p} token {i}: gaps {gaps} beyond {bound:.3f} nats")
-    return problems
-
-
 @pytest.fixture(scope="module")
 def bfloat16_reference(smollm2_engines):
     """bfloat16's greedy completions and the bound scaled from the spread between bfloat16 through the
@@ -230,7 +196,7 @@ def bfloat16_reference(smollm2_engines):
     if smollm2_engines["auto"].engine.core.ops.name != "cpu-kernels":
         pytest.skip("the compiled CPU kernels are off here: one bfloat16 arithmetic, no spread to scale")
     ref = greedy(smollm2_engines["auto"])
-    bound = PRECISION_RATIO * spread(ref, greedy(smollm2_engines["auto-pytorch"]))
+    bound = PRECISION_RATIO * max(logprob_differences(ref, greedy(smollm2_engines["auto-pytorch"])))
     print(f"\nbfloat16's two arithmetics differ by up to {bound / PRECISION_RATIO:.3f} nats: bound {bound:.3f}")
     return ref, bound
 
