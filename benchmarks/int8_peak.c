@@ -41,6 +41,12 @@ static inline int lane0(V x) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(x
 #endif
 
 #if defined(__AMX_INT8__)
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+
+/* ldtilecfg of the whole struct: gcc 12's _tile_loadconfig says it reads 8 bytes of it, so gcc dropped the stores
+ * of the shapes as dead and the instruction faulted on what the stack held. */
+static inline void load_tile_config(const TileConfig *c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c)); }
+
 /* Tiles 0-3: accumulators, 4-5: A, 6-7: B, all 16 rows x 64 bytes. */
 static double amx_gops(void) {
     unsigned long granted = 0;
@@ -53,12 +59,12 @@ static double amx_gops(void) {
         double start = omp_get_wtime();
 #pragma omp parallel
         {
-            struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+            TileConfig cfg;
             static int8_t data[16][64];
             memset(&cfg, 0, sizeof cfg);
             cfg.palette = 1;
             for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-            _tile_loadconfig(&cfg);
+            load_tile_config(&cfg);
             _tile_loadd(4, data, 64);
             _tile_loadd(5, data, 64);
             _tile_loadd(6, data, 64);

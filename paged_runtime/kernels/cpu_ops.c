@@ -2731,8 +2731,10 @@ static void amx_dpbssd(int c, int a, int b) {
 static const int amx_on = 1;
 #define VARIANT_AMX "amx_int8_emulated"
 #else
-/* The intrinsics' asm reads the tile's memory without saying so: the barrier keeps the stores to it before. */
-#define AMX_CONFIG(c) _tile_loadconfig(c)
+/* The intrinsics' asm reads the tile's memory without saying so: the barrier keeps the stores to it before.
+ * gcc 12's _tile_loadconfig says it reads 8 bytes of the 64-byte configuration, so the stores of the rest may be
+ * dropped as dead (int8_peak.c's were: ldtilecfg then faulted on garbage); this asm names the whole struct. */
+#define AMX_CONFIG(c) __asm__ volatile("ldtilecfg %0" ::"m"(*(const AmxConfig *)(c)))
 #define AMX_LOAD(t, p, stride)                                                                                 \
     do {                                                                                                       \
         __asm__ volatile("" ::: "memory");                                                                     \
