@@ -92,6 +92,7 @@ static inline V16 v16_div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
 static inline V16 v16_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 static inline V16 v16_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b */
+static inline V16 v16_load_i32(const int32_t *p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512(p)); } /* as floats */
 /* Lane l plus lane l + 8: v16_sum's first step (see fold_sum). */
 static inline __m256 v16_fold(V16 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -157,6 +158,10 @@ static inline V16 v16_fmadd(V16 a, V16 b, V16 c) {
 }
 static inline V16 v16_fnmadd(V16 a, V16 b, V16 c) { /* c - a * b */
     return v16_pair(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline V16 v16_load_i32(const int32_t *p) { /* as floats */
+    return v16_pair(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)p)),
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(p + 8))));
 }
 static inline __m256 v16_fold(V16 v) { return _mm256_add_ps(v.lo, v.hi); } /* lane l plus lane l + 8 */
 static inline float v16_hmax(V16 v) {
@@ -2659,13 +2664,13 @@ static void x8_store_avx2(const float *acc, int stride, const void *bias, int64_
 /* ---- AMX: the x8 kernel's integer dots as tile products --------------------------------------------------
  *
  * Where the build has AMX-INT8 and Linux granted this process the tile state, x8_linear_rows takes M >=
- * AMX_MIN_ROWS x rows through tile products, two groups (16 output columns) at a time. Per run, the groups'
- * quants are unpacked once into a B tile as signed q: the x8 layout's chunks already hold 4 consecutive inputs
- * of a row side by side, the order B wants, so chunk c's low nibbles are B's row 2 c and its high ones row 2 c
- * + 1. Each 16 x rows of int8 are an A tile straight from GgufActs (rows K apart; the last, short tile from a
- * zero-padded copy), and tdpbssd gives the run's 16 x 16 exact integer dots (Q6_K: one per half of 16 inputs,
- * K = 16 each). They are scaled as x8_dot_avx2 scales its own, lane for lane: the same integers, the same fma
- * chain, the same bits.
+ * AMX_MIN_ROWS x rows through tile products, two groups (16 output columns) at a time. AMX_RUNS runs of the
+ * groups at a time are unpacked once into B tiles as signed q: the x8 layout's chunks already hold 4
+ * consecutive inputs of a row side by side, the order B wants, so chunk c's low nibbles are B's row 2 c and its
+ * high ones row 2 c + 1. Then each 16 x rows of int8 are an A tile straight from GgufActs (rows K apart; the
+ * last, short tile from a zero-padded copy), and per run tdpbssd gives the 16 x 16 exact integer dots (Q6_K:
+ * one per half of 16 inputs, K = 16 each). They are scaled as x8_dot_avx2 scales its own, lane for lane: the
+ * same integers, the same fma chain, the same bits; the 16 rows' sums stay in registers across the runs.
  *
  * PR_AMX_EMULATE builds the same code with the tile instructions written in C from their definitions (Intel
  * SDM: LDTILECFG, TILELOADD, TILEZERO, TDPBSSD, TILESTORED), so a CPU without AMX runs the layout, the
@@ -2676,10 +2681,12 @@ static void x8_store_avx2(const float *acc, int stride, const void *bias, int64_
 #define AMX_MIN_ROWS 16 /* fewer x rows than a tile: the vector path */
 /* The tiles (numbers, not an enum: the intrinsics paste them into the instruction) and their shapes below. */
 #define AMX_TC 0   /* 16 x rows x 16 columns, int32 */
-#define AMX_TC2 1  /* the same, Q6_K's second half */
+#define AMX_TC2 1  /* the same: the next run's (Q6_K: its second half's) */
 #define AMX_TA 2   /* 16 x rows x 32 inputs, int8 */
 #define AMX_TB 3   /* 32 inputs x 16 columns: 8 rows of 4 inputs x 16 columns */
-#define AMX_TAH 4  /* Q6_K's halves: 16 x rows x 16 inputs */
+#define AMX_TA2 4  /* the next run's A and B, in the same shapes */
+#define AMX_TB2 5
+#define AMX_TAH 4  /* or (configured for Q6_K) its halves: 16 x rows x 16 inputs */
 #define AMX_TBH 5  /* and 16 inputs x 16 columns */
 #define AMX_TAH2 6
 #define AMX_TBH2 7
@@ -2757,14 +2764,16 @@ __attribute__((constructor)) static void amx_request(void) {
 #endif
 
 /* This thread's tiles in the shapes above (a thread's own state: each configures before its products). */
-static void amx_configure(void) {
-    static const uint8_t shape[8][2] = {[AMX_TC] = {16, 64}, [AMX_TC2] = {16, 64}, [AMX_TA] = {16, 32},
-                                        [AMX_TB] = {8, 64},  [AMX_TAH] = {16, 16}, [AMX_TBH] = {4, 64},
-                                        [AMX_TAH2] = {16, 16}, [AMX_TBH2] = {4, 64}};
+static void amx_configure(int halves) {
+    static const uint8_t shape[2][8][2] = {
+        {[AMX_TC] = {16, 64}, [AMX_TC2] = {16, 64}, [AMX_TA] = {16, 32}, [AMX_TB] = {8, 64}, [AMX_TA2] = {16, 32},
+         [AMX_TB2] = {8, 64}, [6] = {16, 64}, [7] = {16, 64}},
+        {[AMX_TC] = {16, 64}, [AMX_TC2] = {16, 64}, [AMX_TA] = {16, 32}, [AMX_TB] = {8, 64}, [AMX_TAH] = {16, 16},
+         [AMX_TBH] = {4, 64}, [AMX_TAH2] = {16, 16}, [AMX_TBH2] = {4, 64}}};
     AmxConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = shape[t][0], c.colsb[t] = shape[t][1];
+    for (int t = 0; t < 8; t++) c.rows[t] = shape[halves][t][0], c.colsb[t] = shape[halves][t][1];
     AMX_CONFIG(&c);
 }
 
@@ -2789,78 +2798,125 @@ static inline __attribute__((always_inline)) void amx_unpack(const uint8_t *cons
     }
 }
 
-/* x rows m0 .. m0 + rows - 1 of run r: their dots ct (Q6_K: first halves; ct2 the second) scaled into acc (16
- * columns a row: group h's at 8 h) as x8_dot_avx2 does, D, D2, M the groups' scales. */
-static inline __attribute__((always_inline)) void amx_scale(int32_t (*ct)[16], int32_t (*ct2)[16], const __m256 *D,
-                                                            const __m256 *D2, const __m256 *M, const int base,
-                                                            GgufActs a, int64_t runs, int64_t r, int m0, int rows,
-                                                            float (*acc)[16]) {
-    for (int m = 0; m < rows; m++) {
-        int64_t at = (m0 + m) * runs + r;
-        __m256 xd = _mm256_set1_ps(a.d[at]);
-        for (int h = 0; h < 2; h++) {
-            __m256 v = _mm256_loadu_ps(acc[m0 + m] + 8 * h);
-            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(ct[m] + 8 * h))),
-                                _mm256_mul_ps(D[h], xd), v);
-            if (base == GGUF_Q6_K)
-                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(ct2[m] + 8 * h))),
-                                    _mm256_mul_ps(D2[h], xd), v);
-            if (gguf_has_min(base)) v = _mm256_fmadd_ps(M[h], _mm256_set1_ps(a.s[at]), v);
-            _mm256_storeu_ps(acc[m0 + m] + 8 * h, v);
-        }
+#define AMX_RUNS 16 /* runs of a pair unpacked at a time (AmxRun: 11 KB), then multiplied with every x row */
+
+/* A run of two groups as the tile products take it: its quants as signed q in B's order (amx_unpack) and its
+ * scales, 16 lanes (group h's 8 rows at 8 h) as x8_scales_avx2 computes them. */
+typedef struct {
+    int8_t b[8][64];
+    float d[16], d2[16], m[16];
+} AmxRun;
+
+static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *grp, int64_t group_bytes, int64_t r,
+                                                              const int base, AmxRun *run) {
+    const uint8_t *qs[2];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *rec = x8_record(grp + h * group_bytes, r, base);
+        qs[h] = x8_quants(rec, r, base);
+        x8_prefetch(rec, qs[h], base);
+        __m256 D, D2, M;
+        x8_scales_avx2(rec, (int)(r % x8_runs(base)), base, &D, &D2, &M);
+        _mm256_storeu_ps(run->d + 8 * h, D), _mm256_storeu_ps(run->d2 + 8 * h, D2), _mm256_storeu_ps(run->m + 8 * h, M);
     }
+    amx_unpack(qs, base, run->b);
 }
 
-/* acc[m][8 h ..] = x8_dot_avx2's out[m] for group h of the two at grp (group_bytes apart) and a's M x rows. */
+/* Run r's int8 of x rows m0 .. m0 + rows - 1 as an A tile reads them (*stride bytes apart): straight from
+ * GgufActs (rows K apart), a short tile (rows < 16) from a zero-padded copy in pad, not past a's end. */
+static inline const int8_t *amx_rows_x(GgufActs a, int64_t K, int m0, const int rows, int64_t r, int8_t (*pad)[32],
+                                       int64_t *stride) {
+    const int8_t *x = a.q + m0 * K + r * 32;
+    *stride = K;
+    if (rows == 16) return x;
+    for (int m = 0; m < rows; m++) memcpy(pad[m], x + m * K, 32);
+    *stride = 32;
+    return pad[0];
+}
+
+/* Tile c = the product of A tile ta (x rows) and B tile tb (a run's quants at b). */
+#define AMX_PRODUCT(c, ta, tb, x, stride, b)                                                                   \
+    do {                                                                                                       \
+        AMX_ZERO(c);                                                                                           \
+        AMX_LOAD(tb, b, 64);                                                                                   \
+        AMX_LOAD(ta, x, stride);                                                                               \
+        AMX_DPBSSD(c, ta, tb);                                                                                 \
+    } while (0)
+
+/* acc[m0 ..][16] += runs r0 .. r0 + n - 1 (run[0 ..]) of x rows m0 .. m0 + rows - 1 (rows <= 16): per run, one tile
+ * product of the rows' int8 with the run's B gives its 16 x 16 exact integer dots (Q6_K: one per half of 16
+ * inputs), then scaled lane for lane as x8_dot_avx2 scales its own: the same integers, the same fma chain, the
+ * same bits. The rows' sums stay in registers across the runs (rows is a constant 16 for whole tiles). One
+ * product's result waits on its tile product and store (measured: a quarter of the time, on one C tile), so
+ * the next run's product goes into the other C tile before this one is scaled (Q6_K's halves take both). */
+static inline __attribute__((always_inline)) void amx_rows(const AmxRun *run, int n, int64_t r0, const int base,
+                                                           GgufActs a, int64_t K, int m0, const int rows,
+                                                           float (*acc)[16]) {
+    const int64_t runs = K / 32;
+    const int halves = x8_halves(base);
+    int8_t pad[16][32] __attribute__((aligned(64)));
+    int32_t ct[2][16][16] __attribute__((aligned(64)));
+    int64_t stride;
+    const int8_t *x;
+    V16 v[16];
+    if (rows < 16) memset(pad, 0, sizeof pad);
+    for (int m = 0; m < rows; m++) v[m] = v16_loadf(acc[m0 + m]);
+    if (!halves) {
+        x = amx_rows_x(a, K, m0, rows, r0, pad, &stride);
+        AMX_PRODUCT(AMX_TC, AMX_TA, AMX_TB, x, stride, run[0].b[0]);
+    }
+#pragma GCC unroll 1
+    for (int i = 0; i < n; i++) {
+        const int64_t r = r0 + i;
+        if (halves) {
+            x = amx_rows_x(a, K, m0, rows, r, pad, &stride);
+            AMX_ZERO(AMX_TC);
+            AMX_ZERO(AMX_TC2);
+            AMX_LOAD(AMX_TBH, run[i].b[0], 64);
+            AMX_LOAD(AMX_TBH2, run[i].b[4], 64);
+            AMX_LOAD(AMX_TAH, x, stride);
+            AMX_LOAD(AMX_TAH2, x + 16, stride);
+            AMX_DPBSSD(AMX_TC, AMX_TAH, AMX_TBH);
+            AMX_DPBSSD(AMX_TC2, AMX_TAH2, AMX_TBH2);
+            AMX_STORE(AMX_TC, ct[0], 64);
+            AMX_STORE(AMX_TC2, ct[1], 64);
+        } else {
+            if (i + 1 < n) { /* the next run's product, into the other tiles (run i's are TC, TA, TB if i is even) */
+                x = amx_rows_x(a, K, m0, rows, r + 1, pad, &stride);
+                if (i & 1) AMX_PRODUCT(AMX_TC, AMX_TA, AMX_TB, x, stride, run[i + 1].b[0]);
+                else AMX_PRODUCT(AMX_TC2, AMX_TA2, AMX_TB2, x, stride, run[i + 1].b[0]);
+            }
+            if (i & 1) AMX_STORE(AMX_TC2, ct[0], 64);
+            else AMX_STORE(AMX_TC, ct[0], 64);
+        }
+        __asm__ volatile("" ::: "memory"); /* the tile stores above wrote ct (see AMX_LOAD) */
+        const V16 D = v16_loadf(run[i].d), D2 = v16_loadf(run[i].d2), Mn = v16_loadf(run[i].m);
+#pragma GCC unroll 16
+        for (int m = 0; m < rows; m++) {
+            const int64_t at = (m0 + m) * runs + r;
+            const V16 xd = v16_set1(a.d[at]);
+            v[m] = v16_fmadd(v16_load_i32(ct[0][m]), v16_mul(D, xd), v[m]);
+            if (base == GGUF_Q6_K) v[m] = v16_fmadd(v16_load_i32(ct[1][m]), v16_mul(D2, xd), v[m]);
+            if (gguf_has_min(base)) v[m] = v16_fmadd(Mn, v16_set1(a.s[at]), v[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) v16_storef(acc[m0 + m], v[m]);
+}
+
+/* acc[m][8 h ..] = x8_dot_avx2's out[m] for group h of the two at grp (group_bytes apart) and a's M x rows:
+ * AMX_RUNS runs at a time are unpacked once, then multiplied with the rows 16 at a time. */
 static inline __attribute__((always_inline)) void x8_pair_amx(const uint8_t *grp, int64_t group_bytes, int64_t K,
                                                               const int base, GgufActs a, int M,
                                                               float (*acc)[16]) {
     const int64_t runs = K / 32;
-    const int halves = x8_halves(base);
-    int8_t b[8][64] __attribute__((aligned(64)));
-    int8_t pad[16][32] __attribute__((aligned(64)));
-    int32_t ct[16][16] __attribute__((aligned(64))), ct2[16][16] __attribute__((aligned(64)));
+    AmxRun run[AMX_RUNS] __attribute__((aligned(64)));
     memset(acc, 0, sizeof(float) * 16 * M);
 #pragma GCC unroll 1
-    for (int64_t r = 0; r < runs; r++) {
-        const uint8_t *rec[2], *qs[2];
-        __m256 D[2], D2[2], Mn[2];
-        for (int h = 0; h < 2; h++) {
-            rec[h] = x8_record(grp + h * group_bytes, r, base), qs[h] = x8_quants(rec[h], r, base);
-            x8_prefetch(rec[h], qs[h], base);
-            x8_scales_avx2(rec[h], (int)(r % x8_runs(base)), base, &D[h], &D2[h], &Mn[h]);
-        }
-        amx_unpack(qs, base, b);
-        if (halves) {
-            AMX_LOAD(AMX_TBH, b[0], 64);
-            AMX_LOAD(AMX_TBH2, b[4], 64);
-        } else {
-            AMX_LOAD(AMX_TB, b[0], 64);
-        }
-        for (int m0 = 0; m0 < M; m0 += 16) {
-            const int rows = M - m0 < 16 ? M - m0 : 16;
-            const int8_t *x = a.q + m0 * K + r * 32;
-            int64_t stride = K;
-            if (rows < 16) { /* a tile reads 16 rows: the missing ones from zeros, not past a's end */
-                memset(pad, 0, sizeof pad);
-                for (int m = 0; m < rows; m++) memcpy(pad[m], x + m * K, 32);
-                x = pad[0], stride = 32;
-            }
-            AMX_ZERO(AMX_TC);
-            if (halves) {
-                AMX_ZERO(AMX_TC2);
-                AMX_LOAD(AMX_TAH, x, stride);
-                AMX_LOAD(AMX_TAH2, x + 16, stride);
-                AMX_DPBSSD(AMX_TC, AMX_TAH, AMX_TBH);
-                AMX_DPBSSD(AMX_TC2, AMX_TAH2, AMX_TBH2);
-                AMX_STORE(AMX_TC2, ct2, 64);
-            } else {
-                AMX_LOAD(AMX_TA, x, stride);
-                AMX_DPBSSD(AMX_TC, AMX_TA, AMX_TB);
-            }
-            AMX_STORE(AMX_TC, ct, 64);
-            amx_scale(ct, ct2, D, D2, Mn, base, a, runs, r, m0, rows, acc);
-        }
+    for (int64_t r0 = 0; r0 < runs; r0 += AMX_RUNS) {
+        const int n = runs - r0 < AMX_RUNS ? (int)(runs - r0) : AMX_RUNS;
+        for (int i = 0; i < n; i++) amx_prepare(grp, group_bytes, r0 + i, base, &run[i]);
+        int m0 = 0;
+        for (; m0 + 16 <= M; m0 += 16) amx_rows(run, n, r0, base, a, K, m0, 16, acc);
+        if (m0 < M) amx_rows(run, n, r0, base, a, K, m0, M - m0, acc);
     }
 }
 
@@ -2895,7 +2951,7 @@ static void x8_linear_rows(const uint8_t *w, int base, const void *bias, int64_t
 #ifdef X8_AMX
     if (amx_on && !gguf_force_scalar && M >= AMX_MIN_ROWS && x8_down(end) - n >= 16) {
         float pair[GGUF_MAX_ROWS][16];
-        amx_configure();
+        amx_configure(x8_halves(base));
         for (; n + 16 <= x8_down(end); n += 16) { /* an odd group left goes the vector way */
             x8_pair_amx_any(w + n * row_bytes, 8 * row_bytes, K, base, a, M, pair);
             x8_store_avx2(pair[0], 16, bias, n, N, M, out, dt);

@@ -249,10 +249,10 @@ def test_a_build_without_avx2_runs_the_scalar_paths(tmp_path):
 
 def test_the_amx_path_gives_the_vector_paths_bits(tmp_path):
     """The x8 kernel's AMX path (from 16 x rows, two groups of 8 columns a tile) built with its tile instructions
-    emulated in C (PR_AMX_EMULATE, on top of this CPU's own build; unoptimized, for time: the same bits) gives
-    the vector path's bits for every type: one full tile (16 rows), a full and a zero-padded one (25), and 32 +
-    5 rows (the 5 on the vector path); 40 columns, so a thread's range can end on an odd group, which the vector
-    path takes. On one thread the tile products it ran are exactly what the shapes call for: a pair of groups
+    emulated in C (PR_AMX_EMULATE, on top of this CPU's own build; unoptimized, for time: the same bits), and
+    this CPU's own build (its tile instructions where it has AMX), give the vector path's bits (each row alone)
+    for every type: one full tile (16 rows), a full and a zero-padded one (25), and 32 + 5 rows (the 5 on the
+    vector path); 40 columns, so a thread's range can end on an odd group, which the vector path takes. On one thread the tile products it ran are exactly what the shapes call for: a pair of groups
     per 16 columns, a product a run and 16 rows (two for Q6_K's halves of 16)."""
     compiler = cpu._compiler()
     if compiler is None or not cpu.gguf_has_vector_paths():
@@ -271,6 +271,10 @@ def test_the_amx_path_gives_the_vector_paths_bits(tmp_path):
         for m in (16, 25, 37):
             for dtype in (torch.float32, torch.bfloat16):
                 x, bias = torch.randn(m, k).to(dtype), torch.randn(40).to(dtype)
+                # The vector path's bits: a row alone never reaches a tile (each row's arithmetic is its own).
+                by_row = torch.cat([cpu.cpu_gguf_linear(x[i:i + 1], w, bias, qtype, k) for i in range(m)])
+                # This CPU's own build, which takes the tiles itself where it has AMX.
+                assert torch.equal(cpu.cpu_gguf_linear(x, w, bias, qtype, k), by_row), (name, m, dtype)
                 for one_thread in (False, True):
                     torch.set_num_threads(1 if one_thread else threads)
                     try:
@@ -280,7 +284,7 @@ def test_the_amx_path_gives_the_vector_paths_bits(tmp_path):
                         ran = lib.pr_gguf_abi(3) - before
                     finally:
                         torch.set_num_threads(threads)
-                    assert torch.equal(out, cpu.cpu_gguf_linear(x, w, bias, qtype, k)), (name, m, dtype)
+                    assert torch.equal(out, by_row), (name, m, dtype)
                     if one_thread:
                         tiles = {16: 1, 25: 2, 37: 2}[m]  # the 32-row pass's; 5 rows are too few for a tile
                         assert ran == 2 * (k // 32) * tiles * (2 if name == "Q6_K" else 1), (name, m)
