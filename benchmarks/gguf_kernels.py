@@ -12,9 +12,9 @@ What it measures
     Best of ``--repeats`` timings of ``--calls`` calls each. Also ``cpu_gguf_dequantize`` of each weight to
     bfloat16 (the large-batch path dequantizes, then runs one GEMM), as ms and GB/s of weight bytes read.
     Last, the CPU's peak int8 dot-product rate on the same threads (``int8_peak.c``: independent chains of
-    the widest u8 x s8 dot product -march=native allows, vpdpbusd on 512 bits on an AVX512-VNNI CPU, tdpbssd
-    tile products where it allows AMX-INT8) and each x8 kernel's rate at 128 rows (2 N K M ops a call) as a
-    share of it.
+    the widest u8 x s8 dot product the kernels' build flags allow, -march=native unless ``--cpu-isa`` says
+    less: vpdpbusd on 512 bits on an AVX512-VNNI CPU, tdpbssd tile products where they allow AMX-INT8) and each
+    x8 kernel's rate at 128 rows (2 N K M ops a call) as a share of it.
 
 How to run
     .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine
@@ -75,15 +75,17 @@ def copies(one: torch.Tensor) -> list[torch.Tensor]:
 
 
 def int8_peak(threads: int) -> dict | None:
-    """The CPU's peak int8 dot-product rate on ``threads`` threads, measured by int8_peak.c (built here with
-    -march=native: the widest u8 x s8 dot product this CPU has), or None without a compiler."""
+    """The CPU's peak int8 dot-product rate on ``threads`` threads, measured by int8_peak.c built with the flags
+    the kernels were (``--cpu-isa``: auto is -march=native, the widest u8 x s8 dot product this CPU has; an
+    avx512_vnni build on an AMX CPU is measured against vpdpbusd, not the tiles it was built without), or None
+    without a compiler."""
     compiler = cpu._compiler()
     if compiler is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "int8_peak"
-        subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", str(Path(__file__).with_name("int8_peak.c")),
-                        "-o", str(exe)], check=True, capture_output=True)
+        subprocess.run([compiler, "-O2", *cpu.ISAS[cpu.info()["isa"]].flags, "-fopenmp",
+                        str(Path(__file__).with_name("int8_peak.c")), "-o", str(exe)], check=True, capture_output=True)
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True,
                              env=os.environ | {"OMP_NUM_THREADS": str(threads)}).stdout.split(maxsplit=1)
     return {"gops": float(out[0]), "instruction": out[1].strip(), "threads": threads}

@@ -5,7 +5,7 @@ What it measures
     process, identical but for ``quantization``: none = bfloat16 weights (the file dequantized), int8 = W8A16
     per output channel and int4 = W4A16 in groups of 128 (both quantized at load from those weights), gguf =
     the file's own Q4_1 / Q8_0 blocks (the default for a .gguf). And the peer, llama.cpp
-    (``llama-cpp-python``, the ``bench`` extra) on the same GGUF file with the same threads, where it
+    (``llama-cpp-python``, the ``bench-peers`` extra) on the same GGUF file with the same threads, where it
     installs. For each:
 
     * resident weight bytes: the model's parameters and buffers (whole model, and its decoder layers);
@@ -74,7 +74,7 @@ def load_peer(threads: int, max_len: int) -> LlamaCppPeer | None:
     try:
         return LlamaCppPeer(find_default_gguf(), threads, max_len)
     except ImportError:
-        print("llama-cpp-python is not installed (pip install '.[bench]'): no llama.cpp figures", flush=True)
+        print("llama-cpp-python is not installed (pip install '.[bench-peers]'): no llama.cpp figures", flush=True)
         return None
 
 
