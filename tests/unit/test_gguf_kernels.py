@@ -252,8 +252,9 @@ def test_the_amx_path_gives_the_vector_paths_bits(tmp_path):
     emulated in C (PR_AMX_EMULATE, on top of this CPU's own build; unoptimized, for time: the same bits), and
     this CPU's own build (its tile instructions where it has AMX), give the vector path's bits (each row alone)
     for every type: one full tile (16 rows), a full and a zero-padded one (25), and 32 + 5 rows (the 5 on the
-    vector path); 40 columns, so a thread's range can end on an odd group, which the vector path takes. On one thread the tile products it ran are exactly what the shapes call for: a pair of groups
-    per 16 columns, a product a run and 16 rows (two for Q6_K's halves of 16)."""
+    vector path); 40 columns, so a thread's range can end on an odd group, which the vector path takes. On one
+    thread the tile products it ran are exactly what the shapes call for: a pair of groups per 16 columns, a
+    product a run and 16 rows (two for Q6_K's halves of 16)."""
     compiler = cpu._compiler()
     if compiler is None or not cpu.gguf_has_vector_paths():
         pytest.skip("needs a C compiler and the AVX2 paths (the AMX path is built on them)")
