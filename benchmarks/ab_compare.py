@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import BUSY_LIMIT, ROOT, args_dict, machine_info, result_path, write_results  # noqa: E402
 
 DEFAULT_BASE = "e47d064"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import elapsed, machine_info, others_busy_cores, result_path, write_results  # noqa: E402
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (FIRST_ORDINARY_ID, copy_tokenizer, machine_info, make_workload,  # noqa: E402
                                result_path, write_results)
 

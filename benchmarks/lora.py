@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import machine_info, others_busy_cores, result_path, write_results  # noqa: E402
 from benchmarks.cpu_decode import decode_ms  # noqa: E402
 

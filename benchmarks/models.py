@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (copy_tokenizer, machine_info, others_busy_cores, result_path,  # noqa: E402
                                write_json, write_png)
 from benchmarks.cpu_decode import decode_ms  # noqa: E402

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (BUSY_LIMIT, add_round_args, copy_tokenizer, machine_info,  # noqa: E402
                                others_busy_cores, result_path, round_workload, timed_generate, write_results)
 

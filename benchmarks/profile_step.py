@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import result_path, write_results  # noqa: E402
 
 from paged_runtime import LLM, SamplingParams  # noqa: E402

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (args_dict, machine_info, make_workload, others_busy_cores, result_path,  # noqa: E402
                                write_results)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import machine_info, result_path, write_results  # noqa: E402
 from benchmarks.kernels import bench_ms, copy_bandwidth  # noqa: E402
 

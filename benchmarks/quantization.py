@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (BUSY_LIMIT, ROOT, add_round_args, machine_info, others_busy_cores,  # noqa: E402
                                result_path, round_workload, timed_generate, write_results)
 

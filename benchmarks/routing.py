@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import args_dict, describe, machine_info, result_path, write_results  # noqa: E402
 
 ROUTERS = ("power_of_two", "prefix", "kv_events")

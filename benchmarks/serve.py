@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (FIRST_ORDINARY_ID, Request, args_dict, describe, machine_info,  # noqa: E402
                                make_workload, result_path, write_results)
 

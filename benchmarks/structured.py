@@ -51,7 +51,7 @@ from types import SimpleNamespace
 
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (BUSY_LIMIT, args_dict, machine_info, make_workload,  # noqa: E402
                                others_busy_cores, result_path, write_results)
 

@@ -66,7 +66,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ != "benchmarks": sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file
+if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (BUSY_LIMIT, FIRST_ORDINARY_ID, Request, args_dict, describe,  # noqa: E402
                                machine_info, make_workload, others_busy_cores, result_path, write_results)
 

@@ -83,7 +83,7 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
 def tiny_bert_dir(tmp_path_factory):
     """A 2-layer random BertModel (an encoder: it only pools) with a WordPiece tokenizer, built offline
     (``helpers/tiny_bert.py``); no sentence-transformers files (its pooling is the family's, CLS)."""
-    from helpers.tiny_bert import save_tiny_bert
+    from tests.helpers.tiny_bert import save_tiny_bert
     folder = tmp_path_factory.mktemp("tiny-bert")
     save_tiny_bert(folder)
     return folder

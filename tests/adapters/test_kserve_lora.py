@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters.test_kserve_server import API_KEY, START_TIMEOUT, KServeProcess, free_port
-from helpers.lora import ADAPTERS, make_adapters, peft_greedy
+from tests.adapters.test_kserve_server import API_KEY, START_TIMEOUT, KServeProcess, free_port
+from tests.helpers.lora import ADAPTERS, make_adapters, peft_greedy
 from paged_runtime.config import EngineConfig
 
 pytestmark = [pytest.mark.kserve]

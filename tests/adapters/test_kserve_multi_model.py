@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters.test_kserve_server import START_TIMEOUT, KServeProcess, free_port
-from conftest import make_llm
+from tests.adapters.test_kserve_server import START_TIMEOUT, KServeProcess, free_port
+from tests.conftest import make_llm
 
 pytestmark = [pytest.mark.kserve]
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from helpers.serve_fakes import FakeReplica  # noqa: E402
+from tests.helpers.serve_fakes import FakeReplica  # noqa: E402
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 

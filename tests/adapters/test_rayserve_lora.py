@@ -12,8 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from helpers.lora import ADAPTERS, make_adapters, peft_greedy
-from helpers.ray_serve import serve_on_loopback
+from tests.helpers.lora import ADAPTERS, make_adapters, peft_greedy
+from tests.helpers.ray_serve import serve_on_loopback
 
 pytestmark = [pytest.mark.ray]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from helpers.ray_serve import serve_on_loopback
+from tests.helpers.ray_serve import serve_on_loopback
 
 pytestmark = [pytest.mark.ray]
 
@@ -112,7 +112,7 @@ def cluster(tiny_llama_dir, two_models_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     """The offline API on the same weights: what greedy decoding must produce."""
-    from conftest import make_llm
+    from tests.conftest import make_llm
     return make_llm(tiny_llama_dir, max_model_len=1024, kv_cache_memory=16 * 2**20)
 
 
@@ -149,7 +149,7 @@ def test_openai_sdk_completions_and_chat(cluster, reference, mode):
 
 
 def test_two_models_in_one_application_each_answer_by_name(cluster, two_models_dir):
-    from conftest import make_llm
+    from tests.conftest import make_llm
     from paged_runtime import SamplingParams
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = {name: make_llm(two_models_dir / name, max_model_len=1024, kv_cache_memory=16 * 2**20)

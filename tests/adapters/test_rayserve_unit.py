@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
-from helpers.serve_fakes import FakeReplica  # noqa: E402
+from tests.helpers.serve_fakes import FakeReplica  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 

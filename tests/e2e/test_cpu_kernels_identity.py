@@ -9,8 +9,8 @@ import statistics
 import pytest
 import torch
 
-from conftest import assert_idle, count_decode_steps, make_llm
-from helpers.near_ties import first_difference, logprob_differences, parting_problems
+from tests.conftest import assert_idle, count_decode_steps, make_llm
+from tests.helpers.near_ties import first_difference, logprob_differences, parting_problems
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime.pooling_params import PoolingParams, folder_pooling_type
 
 TOL = 1e-4

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_idle, make_llm
-from helpers.tiny_bert import MAX_POSITIONS, add_sentence_transformers_modules, save_vocab_txt_tokenizer
+from tests.conftest import assert_idle, make_llm
+from tests.helpers.tiny_bert import MAX_POSITIONS, add_sentence_transformers_modules, save_vocab_txt_tokenizer
 from paged_runtime import SamplingParams
 from paged_runtime.pooling_params import folder_max_seq_length, folder_pooling_type
 from paged_runtime.sampling_params import ParameterError

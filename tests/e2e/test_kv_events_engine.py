@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from conftest import assert_idle, make_llm
-from helpers.kv_events import low64, replayed_batches, vllm_block_hashes
+from tests.conftest import assert_idle, make_llm
+from tests.helpers.kv_events import low64, replayed_batches, vllm_block_hashes
 from paged_runtime import SamplingParams
 
 BS = 16

@@ -15,9 +15,9 @@ import random
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_idle, copy_tokenizer, make_llm
-from helpers.lora import ADAPTERS, make_adapter, make_adapters, peft_greedy
-from helpers.ngram import oracle_ngram
+from tests.conftest import assert_idle, copy_tokenizer, make_llm
+from tests.helpers.lora import ADAPTERS, make_adapter, make_adapters, peft_greedy
+from tests.helpers.ngram import oracle_ngram
 from paged_runtime import LoRARequest, SamplingParams
 from paged_runtime.lora import slots as lora_slots
 from paged_runtime.lora.request import LoRAError

@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from conftest import assert_idle, count_decode_steps, make_llm
-from helpers.lora import ADAPTERS, make_adapters, peft_greedy
+from tests.conftest import assert_idle, count_decode_steps, make_llm
+from tests.helpers.lora import ADAPTERS, make_adapters, peft_greedy
 from paged_runtime import LoRARequest, SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_idle, copy_tokenizer, make_llm
+from tests.conftest import assert_idle, copy_tokenizer, make_llm
 from paged_runtime import SamplingParams
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8

@@ -14,7 +14,7 @@ import pytest
 from paged_runtime import SamplingParams
 from paged_runtime.sampling_params import StructuredOutputsParams
 
-from conftest import assert_idle, make_llm, process_alive
+from tests.conftest import assert_idle, make_llm, process_alive
 
 pytestmark = [pytest.mark.parallel]
 

@@ -16,7 +16,7 @@ import httpx
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.parallel]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import copy_tokenizer, make_llm
+from tests.conftest import copy_tokenizer, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.layers.linear import LinearBase
 from paged_runtime.layers.quantization import resident_bytes

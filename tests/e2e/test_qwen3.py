@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_idle, copy_tokenizer, count_decode_steps, hf_greedy, make_llm
+from tests.conftest import assert_idle, copy_tokenizer, count_decode_steps, hf_greedy, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
 from paged_runtime.kernels import cpu

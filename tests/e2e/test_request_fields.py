@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.sampling_params import ParameterError
 

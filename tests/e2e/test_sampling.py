@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 
 

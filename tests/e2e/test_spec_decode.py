@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from conftest import assert_idle, make_llm
-from helpers.ngram import oracle_ngram
+from tests.conftest import assert_idle, make_llm
+from tests.helpers.ngram import oracle_ngram
 from paged_runtime import SamplingParams
 from paged_runtime.spec_decode.truncated_draft import write_truncated_draft
 

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 

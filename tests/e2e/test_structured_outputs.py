@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import torch
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams, StructuredOutputsParams
 
 pytestmark = [pytest.mark.slow]

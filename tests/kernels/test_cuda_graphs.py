@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
@@ -73,7 +73,7 @@ def test_graph_replay_matches_eager_steps(tiny_llama_dir, monkeypatch):
 def test_graph_replay_with_lora_adapters_matches_peft(tiny_llama_dir, tmp_path):
     """The graphs capture LoRA's launches over a static row -> slot buffer: decode steps that mix two adapters
     and the base model replay, and their tokens are peft's."""
-    from helpers.lora import ADAPTERS, make_adapters, peft_greedy
+    from tests.helpers.lora import ADAPTERS, make_adapters, peft_greedy
     from paged_runtime import LoRARequest
     specs = {name: ADAPTERS[name] for name in ("sql", "chat")}
     adapters = make_adapters(tiny_llama_dir, tmp_path, specs)

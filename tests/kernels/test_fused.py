@@ -81,7 +81,7 @@ def test_triton_path_greedy_matches_transformers(tiny_llama_dir):
     """The model on TritonOps and the triton attention backend: transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import hf_greedy, make_llm
+    from tests.conftest import hf_greedy, make_llm
     from paged_runtime import SamplingParams
     prompt = [5, 900, 31, 4000, 77, 12]
     llm = make_llm(tiny_llama_dir, attention_backend="triton", max_model_len=64, max_num_seqs=2,
@@ -113,7 +113,7 @@ NO_LAUNCH = {"aten::view", "aten::split_with_sizes", "aten::flatten", "aten::emp
 
 def test_decode_layer_launches_ten_kernels(tiny_llama_dir):
     """A decoder layer in a one-row decode step: two add+norms, RoPE, SiLU-and-mul, four GEMMs, store, attention."""
-    from conftest import make_llm
+    from tests.conftest import make_llm
     from paged_runtime import SamplingParams
     llm = make_llm(tiny_llama_dir, attention_backend="triton", max_model_len=64, max_num_seqs=2,
                    kv_cache_memory=2**18)
@@ -137,7 +137,7 @@ def test_decode_layer_launches_ten_kernels(tiny_llama_dir):
 
 
 def test_the_triton_backend_brings_the_fused_ops_and_enforce_eager_plain_pytorch(tiny_llama_dir):
-    from conftest import make_llm
+    from tests.conftest import make_llm
     common = dict(max_model_len=128, kv_cache_memory=2**20)
     assert make_llm(tiny_llama_dir, attention_backend="triton", **common).engine.core.ops.name == "triton"
     eager = make_llm(tiny_llama_dir, attention_backend="triton", enforce_eager=True, **common)

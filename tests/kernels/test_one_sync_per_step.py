@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_llm
+from tests.conftest import make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.utils import device_inputs
 from paged_runtime.worker import model_runner

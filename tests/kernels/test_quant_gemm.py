@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.gguf_blocks import random_blocks
+from tests.helpers.gguf_blocks import random_blocks
 
 from paged_runtime.kernels import triton_ops
 from paged_runtime.layers.quantization.gguf_blocks import SERVED, dequantize

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
 from paged_runtime.spec_decode.truncated_draft import write_truncated_draft
 

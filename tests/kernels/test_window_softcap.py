@@ -184,7 +184,7 @@ def test_triton_backend_serves_a_sliding_window_model(tiny_llama_dir, tmp_path):
     import random
     import shutil
 
-    from conftest import assert_idle, make_llm
+    from tests.conftest import assert_idle, make_llm
     from paged_runtime import SamplingParams
     folder = tmp_path / "tiny-windowed"
     shutil.copytree(tiny_llama_dir, folder)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from helpers.openai_spec import openai_components
+from tests.helpers.openai_spec import openai_components
 
 TINY_NAME = "tiny-llama"
 
@@ -120,7 +120,7 @@ def tiny_server(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama_dir):
     """The offline API on the same weights: the reference for the server's greedy texts."""
-    from conftest import make_llm
+    from tests.conftest import make_llm
     return make_llm(tiny_llama_dir, max_model_len=512, kv_cache_memory=32 * 2**20)
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import assert_idle
+from tests.conftest import assert_idle
 from paged_runtime import SamplingParams
 from paged_runtime.config import EngineConfig
 from paged_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError

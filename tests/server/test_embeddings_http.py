@@ -9,8 +9,8 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import make_llm
-from server.conftest import running_server
+from tests.conftest import make_llm
+from tests.server.conftest import running_server
 from paged_runtime.pooling_params import PoolingParams
 
 NAME = "tiny-embed"

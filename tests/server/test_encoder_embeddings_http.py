@@ -7,8 +7,8 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import make_llm
-from server.conftest import running_server
+from tests.conftest import make_llm
+from tests.server.conftest import running_server
 
 NAME = "tiny-bert"
 TEXTS = ["The lighthouse keeper counted the ships.", "Fog over the harbour.", "a"]

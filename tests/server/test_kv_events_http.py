@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from helpers.kv_events import END_SEQ, ask_replay, low64, receive, vllm_block_hashes
+from tests.helpers.kv_events import END_SEQ, ask_replay, low64, receive, vllm_block_hashes
 from .conftest import free_socket
 from .test_cli import run_cli
 

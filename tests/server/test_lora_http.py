@@ -12,8 +12,8 @@ import shutil
 import httpx
 import pytest
 
-from helpers.lora import make_adapter, make_adapters, peft_greedy
-from server.conftest import serving
+from tests.helpers.lora import make_adapter, make_adapters, peft_greedy
+from tests.server.conftest import serving
 
 PROMPT_IDS = [1, 504, 3012, 7891, 42, 17, 9000, 4518]
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB", "--debug-checks",

@@ -11,8 +11,8 @@ import json
 import httpx
 import pytest
 
-from conftest import make_llm
-from server.conftest import serving
+from tests.conftest import make_llm
+from tests.server.conftest import serving
 
 PROMPT = "The harbour master wrote"
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB", "--debug-checks"]

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import assert_idle
+from tests.conftest import assert_idle
 from paged_runtime import SamplingParams
 from paged_runtime.kernels import cpu
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from conftest import assert_idle
+from tests.conftest import assert_idle
 
 from .conftest import TINY_NAME, sse_events
 

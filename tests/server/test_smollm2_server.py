@@ -5,7 +5,7 @@ import openai
 import pytest
 import torch
 
-from conftest import make_llm
+from tests.conftest import make_llm
 from paged_runtime import SamplingParams
 
 from .conftest import running_server

@@ -10,7 +10,7 @@ import signal
 import httpx
 import pytest
 
-from conftest import process_alive
+from tests.conftest import process_alive
 
 from .conftest import running_server, sse_events
 

@@ -20,7 +20,7 @@ from paged_runtime.models.config import ModelConfig
 from paged_runtime.utils.comm_volume import rank_bytes, rank_calls
 from paged_runtime.worker import worker as worker_module
 from paged_runtime.worker.worker import Placement, Worker, driver_rank
-from conftest import make_llm
+from tests.conftest import make_llm
 
 
 class Collectives:

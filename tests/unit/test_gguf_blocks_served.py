@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from conftest import make_llm  # noqa: E402
-from helpers.gguf_blocks import random_blocks  # noqa: E402
+from tests.conftest import make_llm  # noqa: E402
+from tests.helpers.gguf_blocks import random_blocks  # noqa: E402
 from paged_runtime import SamplingParams  # noqa: E402
 from paged_runtime.layers.quantization.gguf_blocks import SERVED, dequantize  # noqa: E402
 from test_gguf_families import _COMMON, _add_tokenizer, _gguf_tensors, _write_metadata  # noqa: E402
@@ -197,7 +197,7 @@ def test_a_gguf_stack_runs_decode_batches_past_max_rows_in_one_call(tmp_path, pr
     """Every matrix GGUF blocks: a decode step of more rows than one weight pass takes (MAX_ROWS) still runs as one
     call, its products in passes of MAX_ROWS rows, and gives the tokens the op-by-op path gives (the same kernel
     in the same passes)."""
-    from conftest import count_decode_steps
+    from tests.conftest import count_decode_steps
     from paged_runtime.kernels import cpu
     path, _ = write_gguf(tmp_path, lambda name: "Q4_1")
     rows = cpu.max_rows() + 13

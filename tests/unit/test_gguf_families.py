@@ -415,7 +415,7 @@ def test_runtime_serves_q8_0_gguf_like_transformers(arch, tmp_path, monkeypatch)
     """LLM(model="x.gguf") converts on first use and serves greedy tokens identical to transformers on the
     converted folder, with chunked prefill, a shared prefix (cache hits), preemption and n = 2, for every
     family.  Q8_0, as published GGUFs are quantised (F32 files differ only in the bytes dequantised)."""
-    from conftest import assert_idle, hf_greedy, make_llm
+    from tests.conftest import assert_idle, hf_greedy, make_llm
     from paged_runtime import SamplingParams
 
     model = _build(arch)

@@ -291,7 +291,7 @@ def test_the_start_up_log_names_the_isa_and_each_family_s_path(compile_as, real_
 def test_an_engine_loads_the_kernels_for_its_cpu_isa(tiny_llama_dir):
     """EngineConfig.cpu_isa reaches kernels/cpu.load from the worker: an ISA this CPU lacks, or another than the
     one this process loaded, is refused at start-up; the loaded one runs, and the engine reports it."""
-    from conftest import make_llm
+    from tests.conftest import make_llm
     loaded = cpu.info()["isa"]
     other = "scalar" if loaded != "scalar" else "auto"
     with pytest.raises(ValueError, match=f"loaded for cpu_isa {loaded} in this process, which cannot load them "

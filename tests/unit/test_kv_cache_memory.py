@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-from conftest import make_llm
+from tests.conftest import make_llm
 from paged_runtime.utils import cpu
 from paged_runtime.utils.cpu import huge_page_buffer
 from paged_runtime.worker.model_runner import allocate_kv_caches

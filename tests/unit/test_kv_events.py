@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from helpers.kv_events import END_SEQ, ask_replay, low64, receive, vllm_block_hashes
+from tests.helpers.kv_events import END_SEQ, ask_replay, low64, receive, vllm_block_hashes
 from paged_runtime import config as settings
 from paged_runtime.core.block_hash import HASH_FUNCTIONS, BlockHasher, low_64_bits
 from paged_runtime.core.kv_cache_manager import KVCacheManager

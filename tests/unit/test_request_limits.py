@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from conftest import assert_idle, make_llm
+from tests.conftest import assert_idle, make_llm
 from paged_runtime.engine.detokenizer import IncrementalDetokenizer
 from paged_runtime.engine.processor import ProcessedPrompt
 from paged_runtime.outputs import RequestOutput
