@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: the default model's own choice (its GGUF blocks in float32 activations)")
     p.add_argument("--quantization", "-q", default=None,
                    help="none: the GGUF's weights dequantized (a plain bfloat16 / float32 model); default: its blocks")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the engine's --kv-cache-dtype (auto: the activations' dtype; bfloat16 under float32 "
+                        "activations: half the bytes)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt-mean", type=float, default=160.0)
     p.add_argument("--output-mean", type=float, default=340.0)
@@ -135,7 +138,7 @@ def make_llm(args: argparse.Namespace):
     extra = {} if args.quantization is None else {"quantization": args.quantization}
     return LLM(model=None, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=int(args.kv_cache_gib * 2**30),
-               seed=0, **extra)
+               kv_cache_dtype=args.kv_cache_dtype, seed=0, **extra)
 
 
 def sampling(output_len: int, index: int = 0, mixed: bool = False):
@@ -424,7 +427,8 @@ def main(argv=None) -> int:
 
     out = args.out or result_path("throughput", "mixed" if args.mixed_sampling else None,
                                   None if args.dtype == "bfloat16" else args.dtype,
-                                  None if args.quantization is None else f"q{args.quantization}")
+                                  None if args.quantization is None else f"q{args.quantization}",
+                                  None if args.kv_cache_dtype == "auto" else f"kv{args.kv_cache_dtype}")
     params = args_dict(args)
     report = {"machine": machine_info(), "parameters": params, "workload": workload_summary(work),
               "hf_static_workload": workload_summary(work[:args.hf_batch_size * args.hf_batches]),
