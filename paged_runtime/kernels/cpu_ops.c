@@ -1503,10 +1503,8 @@ static void attention_range(const Paged *P, int64_t B, int64_t per_row, int64_t 
  * else one per KV head, so a few rows still keep every thread busy. Each item, in order, goes to the thread
  * with the least cost so far (an item's cost its rows' row_cost; every thread computes the same owners), so
  * each thread gets long and short rows alike: contiguous runs of equal cost gave the first thread a step's
- * oldest, longest rows, and it finished last (2-core Zen 4, the 128 requests, timed per thread in an
- * instrumented build: 38.8 s in attention against the other's 34.2; now 37.9 and 36.3, the waits at the
- * layer's barriers 8.1 -> 4.1 s). Which thread attends an item changes no bit of it. (row, query head) items
- * with the scalar kernel otherwise. */
+ * oldest, longest rows, and it finished last (measured: docs/kernels.md). Which thread attends an item changes
+ * no bit of it. (row, query head) items with the scalar kernel otherwise. */
 static void attend_part(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t B,
                         float *scratch, void *out, float *xf, int dt) {
     int64_t begin, end;
