@@ -1147,17 +1147,19 @@ static float softmax_unnormalized(float *row, int64_t len) {
                                      bfloat16 one (24-36 KB) 1.1-1.2x 16's, and 48 of one head's float32 rows (24 KB) at
                                      4 rows 1.25x 16's */
 
-/* Into L2, the cache lines of a slot's keys and values from byte `from` of each, `bytes` long: attention asks
- * for the slot KV_AHEAD_BYTES on while it computes this one. Blocks are scattered, so the hardware prefetchers
- * lose the stream at each one, and the loop waited on memory: at 128 rows x 512 tokens (float32 cache, 30
- * layers' caches in turn, 2-core Zen 4) 9.6 -> 4.7 ms a layer with whole rows. L2, not L1: fetched into L1 (32 KB) the
- * slots ahead evicted this run's values before they were read (no gain then). Inlined: a call in the token
- * loop spilled the vector registers and lost the gain. */
-static inline __attribute__((always_inline)) void prefetch_slot(const void *kv_cache, int64_t slot,
+/* Into L2, the cache lines of a slot's keys (kv 0) or values (kv 1) from byte `from`, `bytes` long: attention
+ * asks for the slot KV_AHEAD_BYTES on while it computes this one. Blocks are scattered, so the hardware
+ * prefetchers lose the stream at each one, and the loop waited on memory: at 128 rows x 512 tokens (float32
+ * cache, 30 layers' caches in turn, 2-core Zen 4) 9.6 -> 4.7 ms a layer with whole rows. L2, not L1: fetched into
+ * L1 (32 KB) the slots ahead evicted this run's values before they were read (no gain then). Each pass fetches
+ * its own half only: the keys' pass also fetched the values once, and a row longer than L2 holds lost them
+ * before the values' pass read them, which fetched them again (16 rows x 2,000 tokens of a float32 cache: 3.0
+ * -> 2.8 ms on a 2-core Xeon, the rest alike; kernels.md). Inlined: a call in the token loop spilled the vector
+ * registers and lost the gain. */
+static inline __attribute__((always_inline)) void prefetch_slot(const void *kv_cache, int64_t slot, int kv,
                                                                   int64_t row_bytes, int64_t from, int64_t bytes) {
-    const char *at = (const char *)kv_cache + slot * 2 * row_bytes + from;
+    const char *at = (const char *)kv_cache + (slot * 2 + kv) * row_bytes + from;
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T1);
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + row_bytes + line, _MM_HINT_T1);
 }
 
 /* 32 bfloat16 values from p as two V16, widened by a shift (the even ones) and a mask (the odd ones) instead of
@@ -1185,7 +1187,7 @@ static inline int64_t bf16_split_lane(int64_t r) {
 
 /* The query heads of KV heads g0 .. g0 + gn - 1, for row b: a pass over the row's keys for every head's scores,
  * an exact softmax, then a pass over its values, each walking the row's slots in runs of KV_RUN tokens and
- * prefetching ahead. With gn = kv_heads each slot is read whole (every KV head's key, then value): passes per KV
+ * prefetching ahead. With gn = kv_heads a pass reads every KV head's key (or value) of a slot: passes per KV
  * head read 1/kv_heads of each slot, and with scattered blocks the prefetchers lost them. Each key is loaded and
  * widened once for the query heads that share it; each score's products are folded to 8 lanes, and the run's
  * scores summed 8 at a time from their folds (sum_folds: v16_sum's bits, under half its instructions). A head's
@@ -1217,7 +1219,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         for (int64_t t = 0; t < tn; t++) slots[t] = next_slot(&walk);
         for (int64_t t = 0; t < tn; t++) {
             if (t0 + t + distance < len)
-                prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, g0 * dim * elem, gn * dim * elem);
+                prefetch_slot(kv_cache, next_slot(&ahead), 0, row_bytes, g0 * dim * elem, gn * dim * elem);
             for (int64_t gi = 0; gi < gn; gi++) {
                 const char *key = (const char *)kv_cache + slots[t] * 2 * row_bytes + (g0 + gi) * dim * elem;
                 if (scaled) scale = kv_scale16(P, slots[t], 0, g0 + gi, dt);
@@ -1240,8 +1242,8 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
         for (int64_t t = 0; t < tn; t++) {
             slots[t] = next_slot(&walk);
-            if (t0 + t + distance < len) /* the keys' pass fetched them; a long row's may have left L2 since */
-                prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, g0 * dim * elem, gn * dim * elem);
+            if (t0 + t + distance < len)
+                prefetch_slot(kv_cache, next_slot(&ahead), 1, row_bytes, g0 * dim * elem, gn * dim * elem);
         }
         for (int64_t j = 0; j < n; j++) {
             int64_t g = g0 + j / G;
@@ -1363,7 +1365,7 @@ static inline __attribute__((always_inline)) void attend_tile_impl(
         V16 m[16];
         for (int64_t t = 0; t < tn; t++) {
             slots[t] = next_slot(&walk);
-            if (t0 + t + distance < span) prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, head_at, dim * elem);
+            if (t0 + t + distance < span) prefetch_slot(kv_cache, next_slot(&ahead), 0, row_bytes, head_at, dim * elem);
         }
         for (int64_t c = 0; c < chunks; c++) {
             for (int64_t t = 0; t < 16; t++) {
@@ -1401,7 +1403,7 @@ static inline __attribute__((always_inline)) void attend_tile_impl(
             slots[t] = next_slot(&walk);
             values[t] = (const char *)kv_cache + (slots[t] * 2 + 1) * row_bytes + head_at;
             if (scaled) value_scales[t] = kv_scale16(P, slots[t], 1, g, dt);
-            if (t0 + t + distance < span) prefetch_slot(kv_cache, next_slot(&ahead), row_bytes, head_at, dim * elem);
+            if (t0 + t + distance < span) prefetch_slot(kv_cache, next_slot(&ahead), 1, row_bytes, head_at, dim * elem);
         }
         for (int64_t j = 0; j < n; j++) {
             int64_t r = j / G, from = firsts[r] - lo, to = ends[r] - lo;
