@@ -66,15 +66,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
     Weights are drawn with a large std so the top token wins by a clear margin:
     greedy identity must not hinge on float rounding between near-ties.
     """
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+def save_tiny_llama(folder, smollm2_dir, **config):
+    """tiny_llama_dir's model (``config`` changes its LlamaConfig: other sizes or head counts) saved in folder with
+    SmolLM2's tokenizer; returns folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         initializer_range=0.25)
+    config = LlamaConfig(**{**dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                                   initializer_range=0.25), **config})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder, safe_serialization=True)
     copy_tokenizer(smollm2_dir, folder)
     return folder
 

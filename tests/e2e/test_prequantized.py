@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import copy_tokenizer, make_llm
+from tests.conftest import copy_tokenizer, make_llm, save_tiny_llama
 from paged_runtime import SamplingParams
 from paged_runtime.layers.linear import LinearBase
 from paged_runtime.layers.quantization import resident_bytes
@@ -34,16 +34,7 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 @pytest.fixture(scope="module")
 def tiny128_dir(tmp_path_factory, smollm2_dir):
     """conftest's tiny Llama, widened so every linear layer's inputs are whole groups of 128."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    folder = tmp_path_factory.mktemp("tiny128")
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         initializer_range=0.25)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder, safe_serialization=True)
-    copy_tokenizer(smollm2_dir, folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny128"), smollm2_dir, hidden_size=128, intermediate_size=256)
 
 
 def run(folder: Path, quantization: str | None = None):
