@@ -4,7 +4,8 @@ the machine's read bandwidth.
 What it measures
     SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head dim 64), one query token per row over
     its context in blocks of 16 tokens, the blocks scattered at random over the cache as a running engine's
-    are. Batch x context: 1 x 512, 4 x 512, 16 x 512, 128 x 512, 16 x 2000. Caches: float32 queries over a
+    are. Batch x context: 1 x 512, 1 x 2000 (one long row: the threads share it), 4 x 512, 16 x 512, 128 x 512,
+    16 x 2000. Caches: float32 queries over a
     bfloat16 cache (the default model's), float32, bfloat16. Each call reads a different copy of the cache
     (enough copies for 512 MiB, at most one per layer of the model), so the KV comes from memory, as in a
     decode step, where each layer's cache is read once. Best of ``--repeats`` timings of a pass over the
@@ -51,7 +52,7 @@ from paged_runtime.config import default_cache_dir  # noqa: E402
 from paged_runtime.kernels import cpu, kv_quant  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-SHAPES = ((1, 512), (4, 512), (16, 512), (128, 512), (16, 2000))
+SHAPES = ((1, 512), (1, 2000), (4, 512), (16, 512), (128, 512), (16, 2000))
 CACHES = {"f32 q, bf16 cache": (torch.float32, torch.bfloat16), "float32": (torch.float32, torch.float32),
           "bfloat16": (torch.bfloat16, torch.bfloat16)}
 PROMPTS = ((8, 1024), (32, 32), (32, 512), (128, 128), (512, 512), (2048, 2048), (128, 1024), (256, 2048))  # q x ctx

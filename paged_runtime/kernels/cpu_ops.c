@@ -1185,6 +1185,62 @@ static inline int64_t bf16_split_lane(int64_t r) {
 #endif
 }
 
+/* One row's attention computed by the whole team (attend_team): the part the calling thread takes in a phase. */
+enum { TEAM_KEYS, TEAM_SOFTMAX, TEAM_VALUES };
+typedef struct {
+    int phase;
+    int64_t from, to; /* TEAM_KEYS: the row's tokens [from, to); TEAM_SOFTMAX: query heads; TEAM_VALUES: pairs of
+                         16-value chunks of each head's dims */
+    float *scores;    /* the team's [heads][len] scores (then their exps), then the heads' sums */
+} TeamRow;
+
+/* attend_group_impl's pass over the values, and its output, for chunk pairs [team->from, team->to) of every head of
+ * row b, the scores the team's exps and sums: each head's sums over the same values in the same order. */
+static inline __attribute__((always_inline)) void attend_team_values(
+    const Paged *P, const void *kv_cache, int64_t b, const TeamRow *team, float *acc, const float *scores,
+    const float *sums, void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
+    int64_t G = P->heads / P->kv_heads, dim = chunks * 16, first = first_key(P, b), len = P->context_lens[b] - first;
+    int64_t elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+    int64_t row_bytes = P->kv_heads * dim * elem, c0 = 2 * team->from, c1 = 2 * team->to;
+    const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8, split = elem == 2; /* chunks is even here */
+    V16 scale = v16_set1(1.f), x[2];
+    int64_t slots[KV_RUN], distance = KV_AHEAD_BYTES / (2 * P->kv_heads * dim * elem) + 1;
+    const int64_t *table = P->block_tables + b * P->table_stride;
+    SlotWalk walk = walk_from(P, table, first), ahead = walk;
+    for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
+    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) {
+        int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
+        for (int64_t t = 0; t < tn; t++) {
+            slots[t] = next_slot(&walk);
+            if (t0 + t + distance >= len) continue;
+            int64_t slot = next_slot(&ahead);
+            for (int64_t g = 0; g < P->kv_heads; g++) /* this thread's dims of each head */
+                prefetch_slot(kv_cache, slot, 1, row_bytes, (g * dim + c0 * 16) * elem, (c1 - c0) * 16 * elem);
+        }
+        for (int64_t j = 0; j < P->heads; j++)
+            for (int64_t c = c0; c < c1; c += 2) {
+                V16 a0 = v16_loadf(acc + j * dim + c * 16), a1 = v16_loadf(acc + j * dim + c * 16 + 16);
+                for (int64_t t = 0; t < tn; t++) {
+                    const char *value = (const char *)kv_cache + (slots[t] * 2 + 1) * row_bytes + j / G * dim * elem;
+                    if (scaled) scale = kv_scale16(P, slots[t], 1, j / G, dt);
+                    V16 w = v16_set1(scores[j * len + t0 + t]);
+                    if (split) bf16x32_split((const uint16_t *)value + c * 16, &x[0], &x[1]);
+                    else
+                        for (int h = 0; h < 2; h++) x[h] = kv_load16(value, (c + h) * 16, kv_dt, scale, dt);
+                    a0 = v16_fmadd(w, x[0], a0), a1 = v16_fmadd(w, x[1], a1);
+                }
+                v16_storef(acc + j * dim + c * 16, a0), v16_storef(acc + j * dim + c * 16 + 16, a1);
+            }
+    }
+    for (int64_t j = 0; j < P->heads; j++)
+        for (int64_t i = c0 * 16; i < c1 * 16; i++) {
+            int64_t at = (b * P->heads + j) * dim + i;
+            float v = rnd(acc[j * dim + (split ? (i & ~(int64_t)31) + bf16_split_lane(i & 31) : i)] / sums[j], dt);
+            if (out) store(out, at, v, dt);
+            if (xf) xf[at] = v;
+        }
+}
+
 /* The query heads of KV heads g0 .. g0 + gn - 1, for row b: a pass over the row's keys for every head's scores,
  * an exact softmax, then a pass over its values, each walking the row's slots in runs of KV_RUN tokens and
  * prefetching ahead. With gn = kv_heads a pass reads every KV head's key (or value) of a slot: passes per KV
@@ -1196,11 +1252,14 @@ static inline int64_t bf16_split_lane(int64_t r) {
  * bound by its instructions, not by memory. The arithmetic per head
  * is the same whatever gn is, and the same as a token-by-token two-pass loop: the default model's near-tie
  * answers (its int8-quantized activations turn 1e-7 of attention rounding into 0.1 nats of a logit, measured)
- * stay as they were. Scratch: gn * G * (2 * dim + len + 8 * KV_RUN) floats. Inlined per constant (chunks, dt)
- * so the widened row stays in registers: 15-20% faster than a runtime chunk count at batch 1-64 here. */
+ * stay as they were. Scratch: gn * G * (2 * dim + len + 1 + 8 * KV_RUN) floats. Inlined per constant (chunks, dt)
+ * so the widened row stays in registers: 15-20% faster than a runtime chunk count at batch 1-64 here. With team
+ * (gn = kv_heads, the whole row) the call computes one phase's part only, its scores and sums the team's:
+ * tokens' scores, heads' softmaxes, or chunk pairs of every head's values and output (the same operations on
+ * each value as alone, so the same bits). */
 static inline __attribute__((always_inline)) void attend_group_impl(
     const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g0, int64_t gn,
-    float *scratch, void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
+    float *scratch, void *out, float *xf, const TeamRow *team, const int64_t chunks, const int dt, const int kv_dt) {
     int64_t G = P->heads / P->kv_heads, dim = chunks * 16, n = gn * G, first = first_key(P, b);
     int64_t len = P->context_lens[b] - first;
     int64_t elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
@@ -1208,17 +1267,32 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
     const int split = elem == 2 && chunks % 2 == 0; /* bfloat16 values, widened 32 at a time (acc in that order) */
     V16 scale = v16_set1(1.f), kv[MAX_CHUNKS];
-    float *qf = scratch, *acc = qf + n * dim, *scores = acc + n * dim, *folds = scores + n * len, sums[MAX_GROUP];
+    float *qf = scratch, *acc = qf + n * dim, *scores = acc + n * dim, *folds = scores + n * (len + 1);
+    if (team) scores = team->scores;
+    float *sums = scores + n * len;
     for (int64_t i = 0; i < n * dim; i++) qf[i] = load(q, b * q_stride + g0 * G * dim + i, dt) * P->scale, acc[i] = 0.f;
     int64_t slots[KV_RUN], distance = KV_AHEAD_BYTES / (2 * gn * dim * elem) + 1; /* tokens */
     const int64_t *table = P->block_tables + b * P->table_stride;
-    SlotWalk walk = walk_from(P, table, first), ahead = walk;
-    for (int64_t t = 0; t < distance && t < len; t++) next_slot(&ahead);
-    for (int64_t t0 = 0; t0 < len; t0 += KV_RUN) { /* keys: each score's fold, then the run's sums */
-        int64_t tn = len - t0 < KV_RUN ? len - t0 : KV_RUN;
+    if (team && team->phase == TEAM_VALUES) {
+        attend_team_values(P, kv_cache, b, team, acc, scores, sums, out, xf, chunks, dt, kv_dt);
+        return;
+    }
+    if (team && team->phase == TEAM_SOFTMAX) {
+        for (int64_t j = team->from; j < team->to; j++) {
+            if (P->softcap > 0.f)
+                for (int64_t t = 0; t < len; t++) scores[j * len + t] = cap(P, scores[j * len + t]);
+            sums[j] = softmax_unnormalized(scores + j * len, len);
+        }
+        return;
+    }
+    const int64_t k0 = team ? team->from : 0, k1 = team && team->to < len ? team->to : len; /* the keys' tokens */
+    SlotWalk walk = walk_from(P, table, first + k0), ahead = walk;
+    for (int64_t t = k0; t < k0 + distance && t < k1; t++) next_slot(&ahead);
+    for (int64_t t0 = k0; t0 < k1; t0 += KV_RUN) { /* keys: each score's fold, then the run's sums */
+        int64_t tn = k1 - t0 < KV_RUN ? k1 - t0 : KV_RUN;
         for (int64_t t = 0; t < tn; t++) slots[t] = next_slot(&walk);
         for (int64_t t = 0; t < tn; t++) {
-            if (t0 + t + distance < len)
+            if (t0 + t + distance < k1)
                 prefetch_slot(kv_cache, next_slot(&ahead), 0, row_bytes, g0 * dim * elem, gn * dim * elem);
             for (int64_t gi = 0; gi < gn; gi++) {
                 const char *key = (const char *)kv_cache + slots[t] * 2 * row_bytes + (g0 + gi) * dim * elem;
@@ -1233,6 +1307,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
         }
         for (int64_t j = 0; j < n; j++) sum_folds(folds + j * KV_RUN * 8, tn, scores + j * len + t0);
     }
+    if (team) return;
     if (P->softcap > 0.f)
         for (int64_t i = 0; i < n * len; i++) scores[i] = cap(P, scores[i]);
     for (int64_t j = 0; j < n; j++) sums[j] = softmax_unnormalized(scores + j * len, len);
@@ -1298,8 +1373,8 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     }
 
 #define ATTEND_PARAMS const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t b, int64_t g, \
-                      int64_t gn, float *scratch, void *out, float *xf
-#define ATTEND_ARGS P, q, q_stride, kv_cache, b, g, gn, scratch, out, xf
+                      int64_t gn, float *scratch, void *out, float *xf, const TeamRow *team
+#define ATTEND_ARGS P, q, q_stride, kv_cache, b, g, gn, scratch, out, xf, team
 #define DEFINE(chunks_, dt_, kv_dt_, when) ATTEND_DEFINE(attend_group, chunks_, dt_, kv_dt_)
 #define DISPATCH(chunks_, dt_, kv_dt_, when) ATTEND_DISPATCH(attend_group, chunks_, dt_, kv_dt_, when)
 ATTEND_VARIANTS(DEFINE)
@@ -1469,7 +1544,7 @@ static int64_t tile_rows(const Paged *P, int64_t b, int64_t B) {
 /* Floats of per-thread scratch that attention needs for contexts up to max_len: attend_group's for all heads
  * (queries, sums, scores), attend_head's (scores, its query, sums and a dequantized row of an 8-bit cache). */
 static int64_t attention_scratch(const Paged *P, int64_t max_len) {
-    int64_t group = P->heads * (2 * P->dim + max_len + 8 * KV_RUN), head = max_len + 3 * P->dim;
+    int64_t group = P->heads * (2 * P->dim + max_len + 1 + 8 * KV_RUN), head = max_len + 3 * P->dim;
     int64_t tile = TILE_ROWS * (P->heads / P->kv_heads) * (2 * P->dim + max_len) + 16 * P->dim;
     int64_t most = group > head ? group : head;
     return ((tile > most ? tile : most) + 15) / 16 * 16; /* whole lines: each thread's part stays aligned */
@@ -1498,6 +1573,37 @@ static void attention_range(const Paged *P, int64_t B, int64_t per_row, int64_t 
     }
 }
 
+#ifdef VEC16
+#define TEAM_MIN_KEYS 256 /* a one-row step's keys from which its threads share each KV head (attend_team) */
+
+/* Whether the team attends row 0 of a B-row step together (attend_team): one row, its KV heads not a multiple of
+ * the threads (SmolLM2's 3 over 2 gave one thread twice the other's reads), long enough to pay two more barriers,
+ * and its head dim whole pairs of chunks, at least one a thread. */
+static int team_row(const Paged *P, int64_t B, int T) {
+    return B == 1 && T > 1 && P->kv_heads % T && P->heads <= MAX_GROUP && P->dim % 32 == 0 && P->dim / 32 >= T &&
+           P->context_lens[0] - first_key(P, 0) >= TEAM_MIN_KEYS;
+}
+
+/* Row 0 by the whole team: each thread scores its share of the keys' tokens, then softmaxes its share of the
+ * heads, then sums its share of every head's value dims, barriers between; each value the same operations as
+ * one thread's (attend_group_impl), so the same bits. Called by every thread; scratch is the team's, per_thread
+ * floats a thread, the scores in thread 0's part. */
+static void attend_team(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, float *scratch,
+                        int64_t per_thread, void *out, float *xf, int dt) {
+    int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), pairs = P->dim / 32;
+    int64_t runs = (P->context_lens[0] - first_key(P, 0) + KV_RUN - 1) / KV_RUN;
+    TeamRow team = {TEAM_KEYS, runs * t / T * KV_RUN, runs * (t + 1) / T * KV_RUN, scratch + 2 * P->heads * P->dim};
+    float *own = scratch + per_thread * t;
+    attend_group(P, q, q_stride, kv_cache, 0, 0, P->kv_heads, own, out, xf, &team, dt);
+#pragma omp barrier
+    team.phase = TEAM_SOFTMAX, team.from = P->heads * t / T, team.to = P->heads * (t + 1) / T;
+    attend_group(P, q, q_stride, kv_cache, 0, 0, P->kv_heads, own, out, xf, &team, dt);
+#pragma omp barrier
+    team.phase = TEAM_VALUES, team.from = pairs * t / T, team.to = pairs * (t + 1) / T;
+    attend_group(P, q, q_stride, kv_cache, 0, 0, P->kv_heads, own, out, xf, &team, dt);
+}
+#endif
+
 #define ROWS_PER_THREAD 4
 /* The calling thread's share of B rows' attention with the vector kernel (an 8-bit cache dequantized there 16
  * values at a time). Rows that read the same slots (a prompt chunk's) go in tiles of up to TILE_ROWS, one item
@@ -1506,13 +1612,19 @@ static void attention_range(const Paged *P, int64_t B, int64_t per_row, int64_t 
  * with the least cost so far (an item's cost its rows' row_cost; every thread computes the same owners), so
  * each thread gets long and short rows alike: contiguous runs of equal cost gave the first thread a step's
  * oldest, longest rows, and it finished last (measured: docs/kernels.md). Which thread attends an item changes
- * no bit of it. (row, query head) items with the scalar kernel otherwise. */
+ * no bit of it; a long single row is the team's (attend_team). (row, query head) items with the scalar kernel
+ * otherwise. scratch: the team's, per_thread floats a thread (attention_scratch). */
 static void attend_part(const Paged *P, const void *q, int64_t q_stride, const void *kv_cache, int64_t B,
-                        float *scratch, void *out, float *xf, int dt) {
+                        float *team_scratch, int64_t per_thread, void *out, float *xf, int dt) {
     int64_t begin, end;
+    float *scratch = team_scratch + per_thread * omp_get_thread_num();
 #ifdef VEC16
     if (P->dim % 16 == 0 && P->dim <= 16 * MAX_CHUNKS && P->heads / P->kv_heads <= MAX_GROUP) {
         int T = omp_get_num_threads(), t = omp_get_thread_num();
+        if (team_row(P, B, T)) {
+            attend_team(P, q, q_stride, kv_cache, team_scratch, per_thread, out, xf, dt);
+            return;
+        }
         int whole = B >= ROWS_PER_THREAD * T && P->heads <= MAX_GROUP;
         int64_t gn = whole ? P->kv_heads : 1, load[T];
         for (int i = 0; i < T; i++) load[i] = 0;
@@ -1526,7 +1638,7 @@ static void attend_part(const Paged *P, const void *q, int64_t q_stride, const v
                 load[owner] += cost;
                 if (owner != t) continue;
                 if (nq > 1) attend_tile(P, q, q_stride, kv_cache, b, nq, i, scratch, out, xf, dt);
-                else attend_group(P, q, q_stride, kv_cache, b, i * gn, gn, scratch, out, xf, dt);
+                else attend_group(P, q, q_stride, kv_cache, b, i * gn, gn, scratch, out, xf, NULL, dt);
             }
         }
         return;
@@ -1560,7 +1672,7 @@ int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_ca
     float *scratch = alloc_lines(sizeof(float) * per_thread * omp_get_max_threads());
     if (!scratch) return -2;
 #pragma omp parallel
-    attend_part(&P, q, q_stride, kv_cache, B, scratch + per_thread * omp_get_thread_num(), out, NULL, dt);
+    attend_part(&P, q, q_stride, kv_cache, B, scratch, per_thread, out, NULL, dt);
     free(scratch);
     return 0;
 }
@@ -3334,8 +3446,7 @@ static void decode_layer(const StackLayer *L, const Paged *P, const DecodeStep *
         rope_row(w->qkv, qkv_size, S->positions[m], L->cos, L->sin, m, P->heads + P->kv_heads, dim, L->rot, dt);
         store_kv_row(P, row + elem * q_size, row + elem * (q_size + kv_size), L->kv_cache, S->slots[m], dt);
     }
-    attend_part(P, w->qkv, qkv_size, L->kv_cache, M, w->scratch + per_thread * omp_get_thread_num(), NULL, xf,
-                dt);
+    attend_part(P, w->qkv, qkv_size, L->kv_cache, M, w->scratch, per_thread, NULL, xf, dt);
 #pragma omp barrier
     product_part(&W->o, NULL, q_size, dt, xf, (int)M, w, w->attn_out);
 #pragma omp barrier

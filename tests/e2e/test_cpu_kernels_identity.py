@@ -3,13 +3,14 @@ KV cache), with every engine feature on: chunked prefill mixed with decodes, pre
 n-gram speculation, decode batches both within the fused kernel's row limit and beyond it."""
 from __future__ import annotations
 
+import os
 import random
 import statistics
 
 import pytest
 import torch
 
-from tests.conftest import assert_idle, count_decode_steps, make_llm
+from tests.conftest import assert_idle, count_decode_steps, make_llm, save_tiny_llama
 from tests.helpers.near_ties import first_difference, logprob_differences, parting_problems
 from paged_runtime import SamplingParams
 from paged_runtime.config import default_cache_dir
@@ -111,4 +112,29 @@ def test_a_bfloat16_cache_under_float32_gives_the_pytorch_paths_tokens(tiny_llam
     assert sum(first_difference(e, g) is None for e, g in zip(expected, got)) >= len(prompts) - 2
     assert kernels.engine.core.scheduler.num_preemptions > 0
     assert kernels.engine.core.kv_cache.num_hit_tokens > 0
+    assert_idle(kernels)
+
+
+@pytest.fixture(scope="module")
+def three_kv_heads_dir(tmp_path_factory, smollm2_dir):
+    """A 2-layer Llama whose attention has 3 KV heads of 64 dims (SmolLM2's count and size), tied embeddings, and
+    the tiny Llama's large weights (clear greedy margins)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("three-kv-heads"), smollm2_dir, hidden_size=192,
+                           intermediate_size=256, num_attention_heads=3, num_key_value_heads=3, tie_word_embeddings=True)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no team to share a row")
+def test_a_long_row_alone_shared_by_the_threads_gives_the_pytorch_paths_tokens(three_kv_heads_dir, monkeypatch):
+    """One request decoding alone past 256 tokens of context, its 3 KV heads not a multiple of the threads: the
+    compiled decode step's attention shares the row's keys, heads and value dims between the threads (each
+    thread's scratch and the shared scores inside the step's buffer). Same greedy tokens as the PyTorch path."""
+    fused_calls = count_decode_steps(monkeypatch)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 49152) for _ in range(300)]]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)]
+    eager = make_llm(three_kv_heads_dir, enforce_eager=True, max_model_len=512)
+    kernels = make_llm(three_kv_heads_dir, cpu_kernels=True, max_model_len=512)
+    expected = generate(eager, prompts, params)
+    assert generate(kernels, prompts, params) == expected
+    assert len(fused_calls) >= 23 and {rows for _, rows in fused_calls} == {1}  # each decode step, 300-323 tokens
     assert_idle(kernels)

@@ -4,6 +4,8 @@ cache (store bit for bit, attention to float32 summation order), the budget's ex
 names refused with the choices."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -162,6 +164,31 @@ def test_c_decode_attention_gives_whole_rows_the_bits_of_rows_by_kv_head(name, d
     by_head = torch.cat([cpu.cpu_paged_decode_attention(q[i:i + 5], cache, tables[i:i + 5], lens[i:i + 5], block_size,
                                                         0.125, kv_scale=scale) for i in range(0, len(lens), 5)])
     assert torch.equal(whole, by_head)
+
+
+@kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no team to share a row")
+@pytest.mark.parametrize("name,dtype,window,softcap,heads,kv_heads,dim",
+                         [pytest.param(*p.values, 0, 0., 9, 3, 64, id=p.id) for p in EVERY_CACHE] +
+                         [pytest.param("auto", torch.float32, 700, 0., 9, 3, 64, id="window"),
+                          pytest.param("auto", torch.float32, 0, 5., 9, 3, 64, id="softcap"),
+                          pytest.param("auto", torch.bfloat16, 0, 0., 8, 1, 128, id="8-heads-a-kv-head")])
+def test_c_decode_attention_gives_a_long_row_alone_the_bits_it_gets_among_others(name, dtype, window, softcap, heads,
+                                                                                 kv_heads, dim):
+    """A step of one long row whose KV heads do not split evenly over the threads (3 or 1 over 2) is attended by
+    the whole team: each thread scores a share of its tokens, softmaxes a share of its heads and sums a share of
+    every head's value dims. Each value takes the same operations as when one thread attends a KV head (the row
+    beside another, (row, KV head) items), so the bits are the same; a share lost or summed twice would not be."""
+    block_size, num_blocks = 16, 72
+    cache, scale = any_cache(name, dtype, num_blocks, block_size, kv_heads, dim, seed=9)
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1000, 257, 300])  # 1000 and 257: not whole runs of 16 tokens
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:64] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    attend = lambda rows: cpu.cpu_paged_decode_attention(q[rows], cache, tables[rows], lens[rows], block_size,  # noqa: E731
+                                                         0.125, window, softcap, kv_scale=scale)
+    for row in range(2):
+        assert torch.equal(attend([row]), attend([row, 2])[:1])
 
 
 @kernels
