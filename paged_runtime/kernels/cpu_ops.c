@@ -1185,6 +1185,24 @@ static inline int64_t bf16_split_lane(int64_t r) {
 #endif
 }
 
+/* Bytes of one cache element: the model dtype's (dt), a bfloat16 cache's, or an 8-bit one's. */
+static inline int64_t kv_elem_bytes(int kv_dt, int dt) {
+    return kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+}
+
+/* Row b's outputs of query heads h0 .. h0 + n - 1, dims [i0, i1): each head's value sums acc ([n][dim], bfloat16
+ * values' in bf16x32_split's lane order where split) over its softmax sum, rounded to dt, into out and xf. */
+static inline void attend_write(const Paged *P, const float *acc, const float *sums, int64_t b, int64_t h0, int64_t n,
+                                int64_t dim, int64_t i0, int64_t i1, int split, void *out, float *xf, int dt) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = i0; i < i1; i++) {
+            int64_t at = (b * P->heads + h0 + j) * dim + i;
+            float v = rnd(acc[j * dim + (split ? (i & ~(int64_t)31) + bf16_split_lane(i & 31) : i)] / sums[j], dt);
+            if (out) store(out, at, v, dt);
+            if (xf) xf[at] = v;
+        }
+}
+
 /* One row's attention computed by the whole team (attend_team): the part the calling thread takes in a phase. */
 enum { TEAM_KEYS, TEAM_SOFTMAX, TEAM_VALUES };
 typedef struct {
@@ -1200,7 +1218,7 @@ static inline __attribute__((always_inline)) void attend_team_values(
     const Paged *P, const void *kv_cache, int64_t b, const TeamRow *team, float *acc, const float *scores,
     const float *sums, void *out, float *xf, const int64_t chunks, const int dt, const int kv_dt) {
     int64_t G = P->heads / P->kv_heads, dim = chunks * 16, first = first_key(P, b), len = P->context_lens[b] - first;
-    int64_t elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+    int64_t elem = kv_elem_bytes(kv_dt, dt);
     int64_t row_bytes = P->kv_heads * dim * elem, c0 = 2 * team->from, c1 = 2 * team->to;
     const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8, split = elem == 2; /* chunks is even here */
     V16 scale = v16_set1(1.f), x[2];
@@ -1232,13 +1250,7 @@ static inline __attribute__((always_inline)) void attend_team_values(
                 v16_storef(acc + j * dim + c * 16, a0), v16_storef(acc + j * dim + c * 16 + 16, a1);
             }
     }
-    for (int64_t j = 0; j < P->heads; j++)
-        for (int64_t i = c0 * 16; i < c1 * 16; i++) {
-            int64_t at = (b * P->heads + j) * dim + i;
-            float v = rnd(acc[j * dim + (split ? (i & ~(int64_t)31) + bf16_split_lane(i & 31) : i)] / sums[j], dt);
-            if (out) store(out, at, v, dt);
-            if (xf) xf[at] = v;
-        }
+    attend_write(P, acc, sums, b, 0, P->heads, dim, c0 * 16, c1 * 16, split, out, xf, dt);
 }
 
 /* The query heads of KV heads g0 .. g0 + gn - 1, for row b: a pass over the row's keys for every head's scores,
@@ -1262,7 +1274,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
     float *scratch, void *out, float *xf, const TeamRow *team, const int64_t chunks, const int dt, const int kv_dt) {
     int64_t G = P->heads / P->kv_heads, dim = chunks * 16, n = gn * G, first = first_key(P, b);
     int64_t len = P->context_lens[b] - first;
-    int64_t elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+    int64_t elem = kv_elem_bytes(kv_dt, dt);
     int64_t row_bytes = P->kv_heads * dim * elem;
     const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
     const int split = elem == 2 && chunks % 2 == 0; /* bfloat16 values, widened 32 at a time (acc in that order) */
@@ -1339,13 +1351,7 @@ static inline __attribute__((always_inline)) void attend_group_impl(
             for (int64_t c = 0; c < chunks; c++) v16_storef(acc + j * dim + c * 16, a[c]);
         }
     }
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t i = 0; i < dim; i++) {
-            int64_t at = (b * P->heads + g0 * G + j) * dim + i;
-            float v = rnd(acc[j * dim + (split ? (i & ~(int64_t)31) + bf16_split_lane(i & 31) : i)] / sums[j], dt);
-            if (out) store(out, at, v, dt);
-            if (xf) xf[at] = v;
-        }
+    attend_write(P, acc, sums, b, g0 * G, n, dim, 0, dim, split, out, xf, dt);
 }
 
 /* The variants of a kernel: (chunks, dt, kv_dt) constants for the common head sizes and each cache kind, the
@@ -1423,7 +1429,7 @@ static inline __attribute__((always_inline)) void attend_tile_impl(
         firsts[r] = first_key(P, b0 + r), ends[r] = P->context_lens[b0 + r];
         lo = firsts[r] < lo ? firsts[r] : lo, hi = ends[r] > hi ? ends[r] : hi;
     }
-    int64_t span = hi - lo, elem = kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : kv_dt == KV_BF16 ? 2 : 1;
+    int64_t span = hi - lo, elem = kv_elem_bytes(kv_dt, dt);
     int64_t row_bytes = P->kv_heads * dim * elem, head_at = g * dim * elem;
     const int scaled = kv_dt == KV_FP8 || kv_dt == KV_INT8;
     V16 scale = v16_set1(1.f);
@@ -1699,7 +1705,7 @@ int pr_paged_decode_attention(const void *q, int64_t q_stride, const void *kv_ca
  * keys past `span` are zeros (their scores are masked, their zero weights meet zero values, never NaN). */
 static void flash_pack(const Paged *P, const void *kv_cache, const int64_t *table, int64_t lo, int64_t span,
                        int64_t t0, int64_t g, int dt, float *kt, float *vv) {
-    int64_t dim = P->dim, elem = P->kv_dt == KV_MODEL ? (dt == BF16 ? 2 : 4) : P->kv_dt == KV_BF16 ? 2 : 1;
+    int64_t dim = P->dim, elem = kv_elem_bytes(P->kv_dt, dt);
     int64_t row_bytes = P->kv_heads * dim * elem, head_at = g * dim * elem;
     const int scaled = P->kv_dt == KV_FP8 || P->kv_dt == KV_INT8;
     int64_t slots[16];
