@@ -125,6 +125,13 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, k]
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of tied maxima; a NaN wins), as ``logits.argmax(dim=-1)`` gives it: ``max``'s
+    indices follow the same contract and, on the CPU, take a third of argmax's time (measured on a 2-core Xeon:
+    13 vs 39 us a row of SmolLM2's 49,152 logits, 128 rows, float32)."""
+    return logits.max(dim=-1).indices
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """In place: -inf on every token whose bit is clear in its row's mask (``bitmask[r]`` for ``logits[r]``),
     for the listed rows only. Bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
@@ -233,7 +240,7 @@ class Sampler:
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._greedy_and_sampled(logits, meta)
         return self._with_logprobs(tokens, raw_logprobs, meta)
@@ -246,7 +253,7 @@ class Sampler:
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         greedy_at, at = to_device(logits.device, greedy_rows, sampled_rows)  # one copy for both
         if len(greedy_rows):
-            tokens[greedy_at] = logits[greedy_at].argmax(dim=-1)
+            tokens[greedy_at] = argmax_rows(logits[greedy_at])
         if len(sampled_rows):
             pick = lambda t: t[at] if t is not None else None
             scaled = logits[at].div_(meta.temperature[at].unsqueeze(1))
@@ -344,7 +351,7 @@ class Sampler:
     def _sample_vocabulary(self, rows: _Rows) -> torch.Tensor:
         """Unfiltered rows: the race over every token."""
         probs = rows.logits.softmax(dim=-1)
-        return probs.div_(self._noise(probs, rows.seeds)).argmax(dim=-1)
+        return argmax_rows(probs.div_(self._noise(probs, rows.seeds)))
 
     def _noise(self, like: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
         """Exp(1) noise shaped like ``like``. A seeded row's comes from a scratch generator seeded with its

@@ -26,6 +26,7 @@ import torch
 
 from paged_runtime.batch import BatchItem, StepItem, layout_order
 from paged_runtime.kernels import kv_quant
+from paged_runtime.sample.sampler import argmax_rows
 from paged_runtime.spec_decode.rejection_sampler import SpecRow, sample_from, target_probs
 
 # forward(model, items in layout order) -> hidden states: the runner's batch builder and backend.
@@ -82,7 +83,7 @@ class DraftModelProposer:
     @staticmethod
     def _draw(logits: torch.Tensor, rows: list[SpecRow], generator: torch.Generator) -> None:
         """Append one draft token to each row; random rows also append its q to ``draft_probs``."""
-        greedy_ids = logits.argmax(dim=-1).tolist()
+        greedy_ids = argmax_rows(logits).tolist()
         for j, row in enumerate(rows):
             if row.greedy:
                 row.drafts.append(greedy_ids[j])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_runtime.sample.sampler import apply_min_p, apply_top_k_top_p
+from paged_runtime.sample.sampler import apply_min_p, apply_top_k_top_p, argmax_rows
 
 
 @dataclass(slots=True)
@@ -58,7 +58,7 @@ class RejectionSampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SpecRow]) -> list[list[int]]:
         """Emitted tokens per row: the accepted drafts, then one token from the target."""
-        greedy_ids = logits.argmax(dim=-1).tolist() if any(r.greedy for r in rows) else None
+        greedy_ids = argmax_rows(logits).tolist() if any(r.greedy for r in rows) else None
         out = []
         for row in rows:
             scored = logits[row.first_row:row.first_row + len(row.drafts) + 1]

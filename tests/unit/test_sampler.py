@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_runtime.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from paged_runtime.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, argmax_rows
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 CHI2_P001_DF = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # critical values at p = 0.001
@@ -91,6 +91,21 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     rows = torch.stack([LOGITS, LOGITS.flip(0)])
     meta = SamplingMetadata(torch.tensor([0.0, 0.0]), all_greedy=False, generators=[None, None])
     assert Sampler(torch.Generator().manual_seed(0))(rows, meta).token_ids.tolist() == [0, 5]
+
+
+def test_greedy_tokens_are_the_first_maximum_as_argmax_gives_it():
+    """Ties go to the lowest token id and a NaN logit wins (torch.argmax's contract), with rows long enough to be
+    split into vector chunks and over threads, whatever the batch holds."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 49_153), generator=gen).float()  # every row holds many tied maxima
+    logits[5, [7, 40_000]] = float("nan")
+    logits[6] = float("-inf")
+    logits[7, [9, 49_152]] = float("inf")
+    expected = logits.argmax(dim=-1)
+    assert (expected[5], expected[6], expected[7]) == (7, 0, 9)
+    assert torch.equal(argmax_rows(logits), expected)
+    meta = SamplingMetadata(torch.zeros(64), all_greedy=True, generators=[None] * 64)
+    assert torch.equal(Sampler(torch.Generator().manual_seed(0))(logits, meta).token_ids, expected)
 
 
 def test_per_row_generators_are_independent_of_neighbours():
