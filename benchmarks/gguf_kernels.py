@@ -2,9 +2,9 @@
 
 What it measures
     For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, LM
-    head 49152x576; N x K) and M = 1, 16 and 128 rows of bfloat16 activations (128: not the LM head, which
-    a prefill multiplies by its last rows only): milliseconds per call and the weight bytes streamed per
-    second, for the GGUF types Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, each also repacked 8 rows at a time as the
+    head 49152x576; N x K) and M = 1, 16 and 128 rows (``--rows``) of bfloat16 activations (over 16: not the
+    LM head, which a prefill multiplies by its last rows only): milliseconds per call and the weight bytes
+    streamed per second, for the GGUF types Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, each also repacked 8 rows at a time as the
     engine holds them (``x8``, ``cpu.gguf_pack_x8``), and for a bfloat16 weight through ``F.linear``, all in
     the same run with torch on 2 threads. Each call reads a different copy of
     the weight (enough copies for 64 MiB) so the weights come from memory, not from the caches, as in a
@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128],
+                        help="rows of x (M) to time; the LM head skips those over 16")
     parser.add_argument("--out", default=str(result_path("gguf_kernels", device="cpu")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,7 +119,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows, table, dequant = [], [], []
     for shape, (n, k) in SHAPES.items():
-        for m in (1, 16) if shape == "lm_head" else (1, 16, 128):
+        for m in [m for m in args.rows if shape != "lm_head" or m <= 16]:
             x = torch.randn(m, k, generator=gen).bfloat16()
             dense = torch.randn(n, k, generator=gen).bfloat16()
             cells = {"bf16": (best_ms(lambda w: F.linear(x, w), copies(dense), args.calls, args.repeats),
