@@ -12,13 +12,17 @@ the script's name and one short qualifier saying what was measured (``throughput
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +215,51 @@ def copy_tokenizer(folder: Path) -> None:
     for name in TOKENIZER_FILES:
         if (source / name).exists():
             shutil.copy(source / name, folder / name)
+
+
+# ---- servers a benchmark starts ------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched_server(command: list[str], health_url: str, log: Path, env: dict | None = None,
+                    timeout: float = 900.0):
+    """Runs ``command`` (a server) in a process group of its own, in the folder of ``log`` (so that no package
+    of this checkout shadows one of the server's), its output in ``log``, and yields the process once
+    ``health_url`` answers 200; stops the whole group on the way out (SIGTERM, SIGKILL 30 s later), so a
+    server's own workers (vLLM's engine core) go with it."""
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path(log).parent,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not _answers(health_url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = Path(log).read_text()[-3000:]
+                raise RuntimeError(f"{command[:4]} did not come up (exit {server.poll()}); its log ends:\n{tail}")
+            time.sleep(1.0)
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 # ---- results ------------------------------------------------------------------------------------------

