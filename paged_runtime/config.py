@@ -82,8 +82,9 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "longest prompt + output in tokens; None: the model's own",
                                         ge=2, hf_aliases=("--max_model_len", "--max_length"))
     max_num_seqs: int = setting(256, "most requests in one step", ge=1)
-    max_num_batched_tokens: int | None = setting(None, "most tokens in one step; None: max(max_model_len, 2048) "
-                                                       "capped by the cache", ge=1)
+    max_num_batched_tokens: int | None = setting(None, "most tokens in one step; None: 2048 on the CPU, "
+                                                       "max(2048, min(max_model_len, 8192)) on a GPU (an "
+                                                       "encoder-only model's: at least max_model_len)", ge=1)
     block_size: int = setting(16, "tokens per KV-cache block", ge=1)
     kv_cache_memory: int | None = setting(None, "bytes for the KV cache (e.g. 2GiB); None: a share of free memory",
                                           gt=0, parse=parse_bytes, aliases=("--kv-cache-memory-bytes",))

@@ -38,6 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from paged_runtime.config import EngineConfig
 from paged_runtime.utils.devices import resolve_device, resolve_precision
 from paged_runtime.core.kv_cache_manager import KVCacheManager, blocks_needed
@@ -134,7 +136,7 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, model_config, model_path)
         family = model_registry.family(model_config.architecture)
         encoder = family.encoder_only  # each prompt whole in one step, no prefix cache (see the module docstring)
-        self.max_num_batched_tokens = _step_budget(config, self.max_model_len, family)
+        self.max_num_batched_tokens = _step_budget(config, self.max_model_len, family, self.device)
         spec = config.speculative_config
         draft_path, draft_config = self._draft(spec, model_config) if spec and spec.method == "draft_model" else (
             None, None)
@@ -453,11 +455,14 @@ def kv_sliding_window(model_config: ModelConfig, draft_config: ModelConfig | Non
     return max(windows)
 
 
-def _step_budget(config: EngineConfig, max_model_len: int, family: model_registry.ModelFamily) -> int:
-    """Tokens per step: ``max_num_batched_tokens``, by default max(2048, min(max_model_len, 8192)). An encoder-only
-    family computes each prompt in one step, so its budget covers ``max_model_len``: the default grows to it,
-    and a smaller one is refused (as vLLM refuses it without chunked prefill)."""
-    default = max(2048, min(max_model_len, 8192))
+def _step_budget(config: EngineConfig, max_model_len: int, family: model_registry.ModelFamily,
+                 device: torch.device) -> int:
+    """Tokens per step: ``max_num_batched_tokens``; by default 2048 on the CPU (vLLM's default for its CPU server:
+    every running stream waits for a step, and on a few cores one of 8,192 prompt tokens takes seconds), and
+    max(2048, min(max_model_len, 8192)) on a GPU. An encoder-only family computes each prompt in one step, so its
+    budget covers ``max_model_len``: the default grows to it, and a smaller one is refused (as vLLM refuses it
+    without chunked prefill)."""
+    default = 2048 if device.type == "cpu" else max(2048, min(max_model_len, 8192))
     if not family.encoder_only:
         return config.max_num_batched_tokens or default
     if config.max_num_batched_tokens is None:

@@ -163,3 +163,20 @@ def test_pending_forks_hold_their_seats_against_later_arrivals():
     assert plan(run_step(scheduler)) == {"group": 20}
     assert plan(run_step(scheduler)) == {"group": 19}  # b would take a seat the group's forks need
     run_until_idle(scheduler)  # check_invariants: never more than max_num_seqs running
+
+
+def test_the_default_step_budget_is_vllms_cpu_server_budget_on_the_cpu_and_up_to_8192_tokens_on_a_gpu():
+    # On 2 CPU cores a step of 8,192 prompt tokens takes seconds, and every running stream waits for it.
+    import torch
+
+    from paged_runtime.config import EngineConfig
+    from paged_runtime.engine.core import _step_budget
+    from paged_runtime.models import registry
+
+    llama, cpu, gpu = registry.family("LlamaForCausalLM"), torch.device("cpu"), torch.device("cuda")
+    unset, asked = EngineConfig(model="m"), EngineConfig(model="m", max_num_batched_tokens=512)
+    assert [_step_budget(unset, n, llama, cpu) for n in (1024, 8192, 32768)] == [2048, 2048, 2048]
+    assert [_step_budget(unset, n, llama, gpu) for n in (1024, 8192, 32768)] == [2048, 8192, 8192]
+    assert _step_budget(asked, 8192, llama, cpu) == _step_budget(asked, 8192, llama, gpu) == 512
+    bert = registry.family("BertModel")  # an encoder computes each prompt in one step
+    assert _step_budget(unset, 4096, bert, cpu) == _step_budget(unset, 4096, bert, gpu) == 4096
