@@ -239,12 +239,13 @@ def print_table(levels: list[dict]) -> None:
 
 def draw(plt, runs: list[dict]):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    for run in runs:
+    for color, run in enumerate(runs):  # a colour per server; on the right a line style per statistic
         levels = run["levels"]
         x = [level["max_concurrency"] for level in levels]
-        left.plot(x, [level["output_throughput"] for level in levels], marker="o", label=run["system"])
-        for name, key in (("TPOT median", ("tpot_ms", "median")), ("ITL p99", ("itl_ms", "p99"))):
-            right.plot(x, [level[key[0]][key[1]] for level in levels], marker="o", label=f"{run['system']}: {name}")
+        left.plot(x, [level["output_throughput"] for level in levels], f"C{color}o-", label=run["system"])
+        for style, name, (key, stat) in (("o-", "TPOT median", ("tpot_ms", "median")),
+                                         ("s--", "ITL p99", ("itl_ms", "p99"))):
+            right.plot(x, [level[key][stat] for level in levels], f"C{color}{style}", label=f"{run['system']}: {name}")
     left.set(xlabel="max concurrency", ylabel="output tokens / s", xscale="log", title="throughput")
     right.set(xlabel="max concurrency", ylabel="ms", xscale="log", yscale="log", title="latency")
     left.legend()
