@@ -299,7 +299,7 @@ def comparison(runs: list[dict]) -> list[dict]:
     TPOT theirs / ours (both > 1 where ours is ahead), and both ITL p99s."""
     ours = runs[0]
     return [{"system": peer["system"], "max_concurrency": a["max_concurrency"],
-             "output_throughput_ratio": a["output_throughput"] / b["output_throughput"],
+             "output_throughput_ratio": ratio(a["output_throughput"], b["output_throughput"]),
              "tpot_median_ratio": ratio(b["tpot_ms"]["median"], a["tpot_ms"]["median"]),
              "itl_p99_ms": [a["itl_ms"]["p99"], b["itl_ms"]["p99"]]}
             for peer in runs[1:] for a, b in zip(ours["levels"], peer["levels"])]
@@ -314,10 +314,10 @@ def print_comparison(rows: list[dict], first: str) -> None:
     print("| peer | conc | out tok/s ratio | TPOT median ratio | ITL p99 ours | ITL p99 peer |")
     print("|---|---|---|---|---|---|")
     for row in rows:
-        tpot = "-" if row["tpot_median_ratio"] is None else f"{row['tpot_median_ratio']:.2f}x"
+        out, tpot = ("-" if v is None else f"{v:.2f}x" for v in (row["output_throughput_ratio"],
+                                                                   row["tpot_median_ratio"]))
         ours, peer = ("-" if v is None else f"{v:.0f}" for v in row["itl_p99_ms"])
-        print(f"| {row['system']} | {row['max_concurrency']} | {row['output_throughput_ratio']:.2f}x | {tpot} "
-              f"| {ours} | {peer} |")
+        print(f"| {row['system']} | {row['max_concurrency']} | {out} | {tpot} | {ours} | {peer} |")
 
 
 # ---- main ----------------------------------------------------------------------------------------
