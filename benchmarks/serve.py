@@ -36,6 +36,7 @@ How to run
     .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --request-rate 2 --num-requests 50
     .venv/bin/python benchmarks/serve.py --launch --vllm-python /path/to/vllm-venv/bin/python \
         --max-concurrency 1 16 --num-requests 4 32 --label smollm2
+    .venv/bin/python benchmarks/serve.py --launch --serve-args="--max-num-batched-tokens 8192"   # "=": flags
 
 Writes benchmarks/results/serve[-<label>]-<device>.json (and a PNG if matplotlib is installed): ``--label``
 says what was served (e.g. smollm2), ``--device`` where (default: this machine's, cpu or the GPU's name).
