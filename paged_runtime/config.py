@@ -85,6 +85,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = setting(None, "most tokens in one step; None: 2048 on the CPU, "
                                                        "max(2048, min(max_model_len, 8192)) on a GPU (an "
                                                        "encoder-only model's: at least max_model_len)", ge=1)
+    long_prefill_token_threshold: int = setting(
+        0, "with chunked prefill, most tokens one request computes in a step while others run or wait (a long "
+        "prompt's chunks then take a bounded share of the steps decoding streams wait for; at most "
+        "max_model_len); 0: no cap", ge=0)
     block_size: int = setting(16, "tokens per KV-cache block", ge=1)
     kv_cache_memory: int | None = setting(None, "bytes for the KV cache (e.g. 2GiB); None: a share of free memory",
                                           gt=0, parse=parse_bytes, aliases=("--kv-cache-memory-bytes",))

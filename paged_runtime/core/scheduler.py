@@ -9,6 +9,11 @@ Order: running requests first, then waiting ones are admitted into whatever
 budget and blocks are left (continuous batching). Both queues are kept in
 policy order: arrival for "fcfs", (priority, arrival) for "priority".
 
+``long_prefill_token_threshold`` (vLLM's; 0: off): with chunked prefill, no request
+computes more than that many tokens in a step while another request runs or waits,
+so a long prompt's chunks take a bounded share of the step that decoding streams
+wait for. A request alone in the scheduler still gets the whole budget.
+
 When blocks run out, the running request last in that order is preempted by
 recompute: its blocks are freed (their cached prefix usually survives), its
 computed count reset, and it goes back to the waiting queue. Nothing new is
@@ -102,7 +107,8 @@ def _salt_long_rope(request: Request) -> None:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", speculator: Speculator | None = None, max_model_len: int | None = None,
-                 rope_switch: int | None = None, chunked_prefill: bool = True, max_loras: int | None = None) -> None:
+                 rope_switch: int | None = None, chunked_prefill: bool = True, max_loras: int | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, got {policy!r}")
         self.kv_cache = kv_cache
@@ -122,6 +128,8 @@ class Scheduler:
         self.rope_switch = rope_switch  # the model's LongRoPE switch length (None: it has none)
         self._in_flight: dict[str, ScheduledRequest] = {}  # items scheduled whose output is not in yet
         self.chunked_prefill = chunked_prefill  # False: a prompt is admitted whole or not at all
+        self.long_prefill_token_threshold = long_prefill_token_threshold if chunked_prefill else 0
+        self._chunk_cap = 0  # this step's: the threshold, or 0 while one request is all there is
         self.max_loras = max_loras  # most distinct adapters among the running requests (None: LoRA is off)
 
     # ---- requests in and out -------------------------------------------------
@@ -168,6 +176,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        self._chunk_cap = self.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
         scheduled: list[ScheduledRequest] = []
         num_preemptions = self.num_preemptions
         index = 0
@@ -235,7 +244,8 @@ class Scheduler:
         return 1
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int, pending: int = 0) -> int:
-        return min(self._num_wanted(request, num_computed, pending), budget)
+        wanted = self._num_wanted(request, num_computed, pending)
+        return min(wanted, budget, self._chunk_cap or wanted)
 
     @staticmethod
     def _num_wanted(request: Request, num_computed: int, pending: int = 0) -> int:

@@ -158,7 +158,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, Speculator(spec) if spec else None, self.max_model_len,
                                    rope_switch=info.rope_switch, chunked_prefill=not encoder,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   long_prefill_token_threshold=_long_prefill_threshold(config, self.max_model_len))
         self.loras: dict[int, LoRARequest] = {}  # adapters the workers hold, by id
         self._unloading: set[int] = set()  # removed adapters the workers keep until their last request leaves
         self.num_failed_steps_in_a_row = 0
@@ -472,6 +473,14 @@ def _step_budget(config: EngineConfig, max_model_len: int, family: model_registr
                          f"({max_model_len}): {family.architecture} is an encoder-only model, which computes each "
                          f"prompt in one step; raise max_num_batched_tokens or lower max_model_len")
     return config.max_num_batched_tokens
+
+
+def _long_prefill_threshold(config: EngineConfig, max_model_len: int) -> int:
+    """``long_prefill_token_threshold``, refused past ``max_model_len`` as vLLM refuses it."""
+    if config.long_prefill_token_threshold > max_model_len:
+        raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) cannot be greater "
+                         f"than max_model_len ({max_model_len})")
+    return config.long_prefill_token_threshold
 
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig, model_path: Path) -> int:

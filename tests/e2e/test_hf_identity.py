@@ -63,6 +63,30 @@ def test_unchunked_batch_with_small_decode_groups(tiny_llama_dir, tiny_hf, monke
     assert_idle(llm)
 
 
+def test_long_prefill_threshold_chunks_prompts_beside_decodes_and_keeps_the_tokens(tiny_llama_dir, tiny_hf,
+                                                                                    monkeypatch):
+    prompts = random_prompts(4, [300, 5, 120, 17], seed=3)
+    llm = make_llm(tiny_llama_dir, max_model_len=512, long_prefill_token_threshold=40, kv_cache_memory=8 * 2**20)
+    scheduler, chunks = llm.engine.core.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        chunks.extend(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
+                        use_tqdm=False)
+    assert max(chunks) == 40 and chunks.count(40) == 7 + 3  # 300 = 7 x 40 + 20 and 120 = 3 x 40, in 2048's budget
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_hf, prompt, 24)
+    assert_idle(llm)
+    with pytest.raises(ValueError, match=r"^long_prefill_token_threshold \(513\) cannot be greater than "
+                                         r"max_model_len \(512\)$"):
+        make_llm(tiny_llama_dir, max_model_len=512, long_prefill_token_threshold=513)
+
+
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_dir):
     from transformers import AutoModelForCausalLM

@@ -180,3 +180,26 @@ def test_the_default_step_budget_is_vllms_cpu_server_budget_on_the_cpu_and_up_to
     assert _step_budget(asked, 8192, llama, cpu) == _step_budget(asked, 8192, llama, gpu) == 512
     bert = registry.family("BertModel")  # an encoder computes each prompt in one step
     assert _step_budget(unset, 4096, bert, cpu) == _step_budget(unset, 4096, bert, gpu) == 4096
+
+
+def test_long_prefill_token_threshold_caps_each_requests_chunk_unless_it_is_alone():
+    # vLLM's long_prefill_token_threshold: a long prompt's chunks stop taking the whole step from the streams
+    # that decode beside it; a request alone in the scheduler still gets the whole budget.
+    scheduler = Scheduler(KVCacheManager(100, 16, enable_caching=False), max_num_seqs=8,  # the prompts are alike
+                          max_num_batched_tokens=1000, long_prefill_token_threshold=24)
+    scheduler.add_request(make_request("alone", 60, 0))
+    assert plan(run_step(scheduler)) == {"alone": 60}
+    scheduler.add_request(make_request("long", 60, 1))
+    scheduler.add_request(make_request("short", 10, 2))
+    assert plan(run_step(scheduler)) == {"alone": 1, "long": 24, "short": 10}
+    assert plan(run_step(scheduler)) == {"alone": 1, "long": 24, "short": 1}
+    assert plan(run_step(scheduler)) == {"alone": 1, "long": 12, "short": 1}
+    assert plan(run_step(scheduler)) == {"alone": 1, "long": 1, "short": 1}
+
+
+def test_no_threshold_without_chunked_prefill():
+    scheduler = Scheduler(KVCacheManager(100, 16), max_num_seqs=8, max_num_batched_tokens=1000,
+                          chunked_prefill=False, long_prefill_token_threshold=24)
+    scheduler.add_request(make_request("a", 60, 0))
+    scheduler.add_request(make_request("b", 40, 1))
+    assert plan(run_step(scheduler)) == {"a": 60, "b": 40}  # an encoder's prompt is computed whole
