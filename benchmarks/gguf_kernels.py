@@ -14,7 +14,9 @@ What it measures
     Last, the CPU's peak int8 dot-product rate on the same threads (``int8_peak.c``: independent chains of
     the widest u8 x s8 dot product the kernels' build flags allow, -march=native unless ``--cpu-isa`` says
     less: vpdpbusd on 512 bits on an AVX512-VNNI CPU, tdpbssd tile products where they allow AMX-INT8) and each
-    x8 kernel's rate at 128 rows (2 N K M ops a call) as a share of it.
+    x8 kernel's rate at 128 rows (2 N K M ops a call) as a share of it. On AMX also the bound on any kernel that
+    scales each GGUF block exactly (one K = 32 tile product, its store and x8's per-row scaling per block, nothing
+    else), and each x8 kernel's share of that.
 
 How to run
     .venv/bin/python benchmarks/gguf_kernels.py   # about half a minute; run on a quiet machine
@@ -86,9 +88,13 @@ def int8_peak(threads: int) -> dict | None:
         exe = Path(tmp) / "int8_peak"
         subprocess.run([compiler, "-O2", *cpu.ISAS[cpu.info()["isa"]].flags, "-fopenmp",
                         str(Path(__file__).with_name("int8_peak.c")), "-o", str(exe)], check=True, capture_output=True)
-        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True,
-                             env=os.environ | {"OMP_NUM_THREADS": str(threads)}).stdout.split(maxsplit=1)
-    return {"gops": float(out[0]), "instruction": out[1].strip(), "threads": threads}
+        lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                               env=os.environ | {"OMP_NUM_THREADS": str(threads)}).stdout.splitlines()
+    (gops, instruction), *bound = (line.split(maxsplit=1) for line in lines)
+    peak = {"gops": float(gops), "instruction": instruction.strip(), "threads": threads}
+    if bound:  # AMX: what an exact GGUF-block-scaled kernel can reach at most (int8_peak.c)
+        peak |= {"block_scaled_gops": float(bound[0][0]), "block_scaled": bound[0][1].strip()}
+    return peak
 
 
 def share_of_peak(rows: list[dict], peak: dict | None) -> list[dict]:
@@ -100,6 +106,8 @@ def share_of_peak(rows: list[dict], peak: dict | None) -> list[dict]:
         if r["m"] == 128 and r["method"].endswith("x8") and r["ms"] is not None:
             gops = 2 * r["n"] * r["k"] * r["m"] / r["ms"] / 1e6
             out.append({"shape": r["shape"], "method": r["method"], "gops": gops, "share": gops / peak["gops"]})
+            if peak.get("block_scaled_gops"):
+                out[-1]["share_of_block_scaled"] = gops / peak["block_scaled_gops"]
     return out
 
 
@@ -163,8 +171,12 @@ def main() -> None:
     if peak:
         print(f"\nint8 peak ({peak['instruction']}, {peak['threads']} threads, int8_peak.c): {peak['gops']:.0f} GOPS; "
               "the x8 kernels at 128 rows:")
+        if peak.get("block_scaled_gops"):
+            print(f"(and the bound on an exact block-scaled kernel, {peak['block_scaled']}: "
+                  f"{peak['block_scaled_gops']:.0f} GOPS, {peak['block_scaled_gops'] / peak['gops']:.1%} of the peak)")
         for r in result["x8_share_of_peak"]:
-            print(f"{r['shape']:9}{r['method']:>10}{r['gops']:8.0f} GOPS {r['share']:6.1%}")
+            of_bound = f" {r['share_of_block_scaled']:6.1%} of the bound" if "share_of_block_scaled" in r else ""
+            print(f"{r['shape']:9}{r['method']:>10}{r['gops']:8.0f} GOPS {r['share']:6.1%}{of_bound}")
     print(f"others busy cores before/after: {result['others_busy_cores']}, load {result['load_average']}")
 
 

@@ -3,8 +3,9 @@
  * AVX-VNNI, else AVX2's maddubs + madd + add (three instructions per 32 products). One chain set per OpenMP
  * thread; ops = 2 per product (a multiply and an add), as GEMM rates count them. Where the compiler is allowed
  * AMX-INT8 and Linux grants the tile state, the peak is instead four independent tdpbssd chains (16 x 16 x 64
- * products each), what the GGUF x8 kernel's batches use there. Prints "<GOPS> <instruction>".
- * Built and run by gguf_kernels.py. */
+ * products each), what the GGUF x8 kernel's batches use there. Prints "<GOPS> <instruction>", and on AMX a
+ * second line "<GOPS> <what>": the most a kernel that scales each GGUF block exactly can reach
+ * (amx_block_scaled_gops). Built and run by gguf_kernels.py. */
 #if defined(__AMX_INT8__)
 #define _GNU_SOURCE
 #include <string.h>
@@ -86,6 +87,59 @@ static double amx_gops(void) {
     }
     return best / 1e9;
 }
+
+/* The rate of the least work an exact GGUF-block-scaled kernel does per block of 32 inputs, 16 x rows and 16
+ * output columns: one tdpbssd of K = 32 (a block's integer dots), its tile store, and the x8 kernel's scaling
+ * of the 16 rows' dots (convert, the two scales' product, an fma, the min's fma: x8_dot_avx2's chain, which
+ * keeps every row's bits whatever path it takes). A and B stay in their tiles and the scales in L1: no
+ * unpacking, no tile loads, no output, so a real kernel stays below it. */
+static double amx_block_scaled_gops(void) {
+    const long iters = 1000000L;
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double start = omp_get_wtime();
+        float sink = 0;
+#pragma omp parallel reduction(+ : sink)
+        {
+            TileConfig cfg;
+            static const int8_t a[16][32], b[8][64];
+            int32_t dots[16][16] __attribute__((aligned(64)));
+            float xd[64][16], xs[64][16], wd[16], wm[16];
+            for (int j = 0; j < 64; j++)
+                for (int m = 0; m < 16; m++) xd[j][m] = 1.f / (j + m + 1), xs[j][m] = (float)(j - m);
+            for (int n = 0; n < 16; n++) wd[n] = (float)n, wm[n] = (float)-n;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            cfg.rows[0] = 16, cfg.colsb[0] = 64; /* the block's dots */
+            cfg.rows[1] = 16, cfg.colsb[1] = 32; /* A: 16 x rows x 32 inputs */
+            cfg.rows[2] = 8, cfg.colsb[2] = 64;  /* B: 32 inputs x 16 columns */
+            load_tile_config(&cfg);
+            _tile_loadd(1, a, 32);
+            _tile_loadd(2, b, 64);
+            __m512 acc[16];
+            for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+            const __m512 D = _mm512_loadu_ps(wd), M = _mm512_loadu_ps(wm);
+            for (long n = 0; n < iters; n++) {
+                const int j = (int)(n & 63);
+                _tile_zero(0);
+                _tile_dpbssd(0, 1, 2);
+                _tile_stored(0, dots, 64);
+                __asm__ volatile("" ::: "memory"); /* the tile store wrote dots */
+#pragma GCC unroll 16
+                for (int m = 0; m < 16; m++) {
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[m]));
+                    acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(D, _mm512_set1_ps(xd[j][m])), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(M, _mm512_set1_ps(xs[j][m]), acc[m]);
+                }
+            }
+            _tile_release();
+            for (int m = 0; m < 16; m++) sink += _mm512_reduce_add_ps(acc[m]);
+        }
+        double rate = 2.0 * 16 * 16 * 32 * iters * omp_get_max_threads() / (omp_get_wtime() - start);
+        best = rate > best && sink == sink ? rate : best;
+    }
+    return best / 1e9;
+}
 #endif
 
 int main(void) {
@@ -93,6 +147,7 @@ int main(void) {
     double amx = amx_gops();
     if (amx > 0) {
         printf("%.1f tdpbssd (AMX)\n", amx);
+        printf("%.1f tdpbssd with each GGUF block's exact scaling\n", amx_block_scaled_gops());
         return 0;
     }
 #endif

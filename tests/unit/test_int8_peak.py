@@ -1,6 +1,7 @@
 """benchmarks/int8_peak.c, the peak int8 dot-product rate issue 35's share-of-peak figure divides by: it builds for
 this CPU and measures a rate. On an AMX CPU its tile configuration once reached ldtilecfg half unwritten (gcc 12's
-intrinsic says it reads 8 bytes, so the stores of the shapes were dropped) and the program died of a fault."""
+intrinsic says it reads 8 bytes, so the stores of the shapes were dropped) and the program died of a fault. On
+AMX it also measures the bound on a kernel that scales each GGUF block exactly."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,11 @@ def test_the_peak_program_measures_a_rate(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr
-    gops, instruction = run.stdout.split(maxsplit=1)
+    (gops, instruction), *bound = (line.split(maxsplit=1) for line in run.stdout.splitlines())
     expected = "tdpbssd (AMX)" if cpu.cpu_has("amx") else "vpdpbusd zmm" if cpu.cpu_has("avx512_vnni") else None
     assert float(gops) > 0 and (expected is None or instruction.strip() == expected)
+    # On AMX a second line: the bound on a kernel that scales each GGUF block exactly, below the tiles' peak.
+    assert len(bound) == (1 if expected == "tdpbssd (AMX)" else 0)
+    if bound:
+        assert bound[0][1] == "tdpbssd with each GGUF block's exact scaling"
+        assert 0 < float(bound[0][0]) < float(gops)
