@@ -90,8 +90,8 @@ static double amx_gops(void) {
 
 /* The rate of the least work an exact GGUF-block-scaled kernel does per block of 32 inputs, 16 x rows and 16
  * output columns: one tdpbssd of K = 32 (a block's integer dots), its tile store, and the x8 kernel's scaling
- * of the 16 rows' dots (convert, the two scales' product, an fma, the min's fma: x8_dot_avx2's chain, which
- * keeps every row's bits whatever path it takes). A and B stay in their tiles and the scales in L1: no
+ * of the 16 rows' dots (convert, the two scales' product, an fma, the min's fma: x8_dot_avx2's chain for a type
+ * with a minimum such as Q4_1, which keeps every row's bits whatever path it takes; Q8_0's has no min's fma). A and B stay in their tiles and the scales in L1: no
  * unpacking, no tile loads, no output, so a real kernel stays below it. */
 static double amx_block_scaled_gops(void) {
     const long iters = 1000000L;
