@@ -4,8 +4,7 @@
  * thread; ops = 2 per product (a multiply and an add), as GEMM rates count them. Where the compiler is allowed
  * AMX-INT8 and Linux grants the tile state, the peak is instead four independent tdpbssd chains (16 x 16 x 64
  * products each), what the GGUF x8 kernel's batches use there. Prints "<GOPS> <instruction>", and on AMX a
- * second line "<GOPS> <what>": the most a kernel that scales each GGUF block exactly can reach
- * (amx_block_scaled_gops). Built and run by gguf_kernels.py. */
+ * second line "<GOPS> <what>" (amx_block_scaled_gops). Built and run by gguf_kernels.py. */
 #if defined(__AMX_INT8__)
 #define _GNU_SOURCE
 #include <string.h>
@@ -88,11 +87,12 @@ static double amx_gops(void) {
     return best / 1e9;
 }
 
-/* The rate of the least work an exact GGUF-block-scaled kernel does per block of 32 inputs, 16 x rows and 16
- * output columns: one tdpbssd of K = 32 (a block's integer dots), its tile store, and the x8 kernel's scaling
- * of the 16 rows' dots (convert, the two scales' product, an fma, the min's fma: x8_dot_avx2's chain for a type
- * with a minimum such as Q4_1, which keeps every row's bits whatever path it takes; Q8_0's has no min's fma). A and B stay in their tiles and the scales in L1: no
- * unpacking, no tile loads, no output, so a real kernel stays below it. */
+/* The bound on any GGUF kernel that scales each block exactly: the rate of the least work such a kernel does
+ * per block of 32 inputs, 16 x rows and 16 output columns. That is one tdpbssd of K = 32 (the block's integer
+ * dots), its tile store, and the x8 kernel's scaling of the 16 rows' dots: convert, the two scales' product, an
+ * fma, the minimum's fma (x8_dot_avx2's chain for a type with a minimum, as Q4_1, Q4_K and Q5_K; it keeps every
+ * row's bits whatever path the row takes). A and B stay in their tiles, the scales in L1, the sums in
+ * registers: no unpacking, no tile loads, no output, so a real kernel stays below it. */
 static double amx_block_scaled_gops(void) {
     const long iters = 1000000L;
     double best = 0;
@@ -117,6 +117,7 @@ static double amx_block_scaled_gops(void) {
             _tile_loadd(1, a, 32);
             _tile_loadd(2, b, 64);
             __m512 acc[16];
+#pragma GCC unroll 16 /* every loop over acc unrolled, or gcc keeps the 16 sums on the stack (the kernel does not) */
             for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
             const __m512 D = _mm512_loadu_ps(wd), M = _mm512_loadu_ps(wm);
             for (long n = 0; n < iters; n++) {
@@ -133,10 +134,11 @@ static double amx_block_scaled_gops(void) {
                 }
             }
             _tile_release();
+#pragma GCC unroll 16
             for (int m = 0; m < 16; m++) sink += _mm512_reduce_add_ps(acc[m]);
         }
         double rate = 2.0 * 16 * 16 * 32 * iters * omp_get_max_threads() / (omp_get_wtime() - start);
-        best = rate > best && sink == sink ? rate : best;
+        best = rate > best && sink == sink ? rate : best; /* sink keeps the sums, and so the scaling */
     }
     return best / 1e9;
 }
