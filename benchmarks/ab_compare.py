@@ -28,7 +28,8 @@ What it measures
     > 1 means new is faster (base ms / new ms, new tok/s / base tok/s). A metric
     only one side's script measures (a shape a newer script adds) is listed
     apart with that side's best, not compared. ``$PAGED_RUNTIME_CPU_ISA`` (kept
-    in the JSON's parameters) builds both sides' kernels for that ISA.
+    in the JSON's parameters) builds both sides' kernels for that ISA (a base
+    older than 7a24e26 ignores it and builds for this CPU).
 
 Writes benchmarks/results/ab_compare-<device>.json and ab_compare-<device>.png (if
 matplotlib is installed).
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
         rows, one_sided = compare(runs)
         print(f"\nbest of {args.rounds} round(s); new/base > 1 means new is faster; "
               f"issue 14 asks for >= {1 - TOLERANCE:.2f}")
-        width = max(26, *(len(r["metric"]) + 2 for r in rows))
+        width = max([26, *(len(r["metric"]) + 2 for r in rows + one_sided)])
         header = f"{'metric':<{width}}{'base':>10}{'new':>10}{'new/base':>10}"
         print(header + "\n" + "-" * len(header))
         for r in rows:
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
                   "tolerance": TOLERANCE, "rows": rows, "one_sided": one_sided,
                   "all_within_tolerance": all(r["new_over_base"] >= 1 - TOLERANCE for r in rows),
                   "runs": runs, "wall_seconds": wall}
-        print(write_results(args.out, report, draw, rows, args.out.stem))
+        print(write_results(args.out, report, draw if rows else None, rows, args.out.stem))
         return 0
     finally:
         for t in trees:

@@ -1,6 +1,6 @@
 """benchmarks/ab_compare.py's comparison of the two sides' rounds: a metric only one side measured (a newer
-cpu_attention.py times a shape the base's copy does not) is listed apart, not compared; it once ended an
-eleven-minute run in a ValueError before anything was written."""
+cpu_attention.py times a shape the base's copy does not) is listed apart, not compared; it once ended a
+ten-minute run in a ValueError before anything was written."""
 from __future__ import annotations
 
 from benchmarks.ab_compare import compare
