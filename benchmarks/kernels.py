@@ -16,33 +16,42 @@ What it measures (one CUDA device, named in every figure)
         copy bandwidth. Next to it ``scaled_dot_product_attention`` on contiguous
         [batch, KV heads, context, head dim] K/V (``enable_gqa``): the peer without paging.
     (c) End to end, per model (random-weight Llama 3.2 1B and Llama 3.1 8B shapes, built
-        once on the GPU and saved under --model-cache; no downloads), bfloat16:
-        - batch-1 decode: ms per step after a 128-token prompt, against the floor
-          weight bytes / copy bandwidth, with CUDA graphs (the default) and without
-          (``enforce_eager``);
-        - a mixed workload (benchmarks/common.py: ShareGPT-like lognormal prompt and
-          output lengths, greedy, ignore_eos): the runtime with every request submitted
-          at once, and transformers ``generate`` with static batches of
+        once on the GPU and saved under --model-cache; no downloads), bfloat16 activations,
+        for each of --quantizations (none: bf16 weights; int4: W4A16, quantized at load into
+        the layout GPTQ / AWQ / compressed-tensors 4-bit checkpoints are served in):
+        - the floor: the bytes of weights a decode step reads (step_weight_bytes: not the
+          input embedding table unless the head shares it) / copy bandwidth;
+        - the batch-1 decode step: median ms of a step after a 128-token prompt, with CUDA
+          graphs (the default) and, for bf16, without (``enforce_eager``);
+        - a decode step of 64 requests, and the prefill of one 2,048-token prompt (one step);
+        - unless --skip-transformers, a mixed workload (benchmarks/common.py: ShareGPT-like
+          lognormal prompt and output lengths, greedy, ignore_eos): the runtime with every
+          request submitted at once, and transformers ``generate`` with static batches of
           --hf-batch-size on a prefix of the same requests; output tokens / s.
           Prompts use the SmolLM2 tokenizer's id range (the model folders carry that
           tokenizer; generated ids may lie beyond it, which only affects text).
 
-Targets (H100, from issue 6): decode attention >= 70% of copy bandwidth at contexts
->= 4k; batch-1 decode step <= 1.3x weight bytes / copy bandwidth; runtime >= 10x
-transformers on the mixed workload.
+Targets (issue 36; one run on one card): decode attention at contexts >= 4k at least 70% of
+copy bandwidth at batch >= 8 and 50% at batch 1; the bf16 batch-1 step at most 1.5x its floor
+(1B) and 1.2x (8B); W4A16's batch-1 step at most 1.5x its own floor and at least 2.5x faster
+than bf16's, its 64-request step no slower than bf16's, its 2,048-token prefill at most 1.3x
+bf16's. Issue 6's: the runtime >= 10x transformers on the mixed workload. The JSON is
+rewritten after each measurement, so a run cut short keeps what it measured.
 
 How to run (on a machine with a CUDA GPU)
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/kernels.py
     .venv/bin/python benchmarks/kernels.py --skip-e2e               # kernels only, about a minute
-    .venv/bin/python benchmarks/kernels.py --models 1b --num-requests 64
+    .venv/bin/python benchmarks/kernels.py --models 1b,8b --skip-transformers   # issue 36's targets only
 
-Prints tables, writes benchmarks/results/kernels-<card>.json (card: h200, h100, ...).
+Prints tables and each target's verdict, writes benchmarks/results/kernels-<card>.json (card: h200,
+h100, ...) and a PNG of the verdicts.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -52,9 +61,16 @@ import torch
 
 if __package__ != "benchmarks": sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a file
 from benchmarks.common import (FIRST_ORDINARY_ID, copy_tokenizer, machine_info, make_workload,  # noqa: E402
-                               result_path, write_results)
+                               result_path, write_json, write_results)
 
-TARGETS = {"decode_attention_copy_share": 0.70, "batch1_step_vs_floor": 1.3, "vs_transformers": 10.0}
+# Issue 36's targets. Decode attention at contexts >= LONG_CONTEXT: (least batch, most batch, least share of copy
+# bandwidth). A bf16 batch-1 step's time over its floor (the weight bytes it reads / copy bandwidth), per model.
+ATTENTION_TARGETS = ((1, 1, 0.50), (8, 1 << 30, 0.70))
+STEP_TARGETS = {"1b": 1.5, "8b": 1.2}
+W4A16_TARGETS = {"batch1_step_vs_floor": 1.5, "batch1_speedup": 2.5, "batch_step_vs_bf16": 1.0, "prefill_vs_bf16": 1.3}
+VS_TRANSFORMERS = 10.0  # issue 6: the runtime's mixed-workload throughput over transformers' static batches
+DECODE_BATCH, PREFILL_TOKENS = 64, 2048  # the W4A16 targets' large batch and prefill
+DECODE_PROMPT, DECODE_TOKENS = 128, 128  # a decode step is timed after this prompt, over these steps
 LONG_CONTEXT = 4096  # contexts from here on are held to the bandwidth target
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokenizer, copied into the random model folders
 ATTN_SHAPE = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -79,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-gib", type=float, default=16.0, help="skip (batch, context) pairs whose KV exceeds this")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--quantizations", default="none,int4",
+                   help="end to end: none (bf16 weights) and/or at-load methods (int4: W4A16, the layout GPTQ / AWQ / "
+                        "compressed-tensors 4-bit checkpoints are served in; int8: W8A16)")
+    p.add_argument("--skip-transformers", action="store_true", help="no mixed workload against transformers")
+    p.add_argument("--skip-eager", action="store_true", help="no bf16 batch-1 step without CUDA graphs")
     p.add_argument("--models", default="1b,8b", help="comma-separated keys of LLAMA_CONFIGS")
     p.add_argument("--model-cache", type=Path, default=Path("/tmp/paged-runtime-random-llama"))
     p.add_argument("--num-requests", type=int, default=128, help="mixed workload size for the runtime")
@@ -196,19 +217,42 @@ def random_llama(key: str, cache_dir: Path) -> Path:
     return folder
 
 
-def weight_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every tensor (parameter or buffer: the at-load methods keep
+    their quantized weights as buffers) of the model's modules once, but not an input embedding table apart
+    from the LM head (a step reads only its tokens' rows of it) nor RoPE's cos / sin tables (likewise). A tied
+    head counts its matrix once. GGUF layers keep their blocks outside the module's tensors: not covered."""
+    from paged_runtime.layers.rotary import RotaryEmbedding
+    from paged_runtime.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding) or (isinstance(module, VocabParallelEmbedding)
+                                                   and not isinstance(module, ParallelLMHead)):
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total
 
 
-def batch1_step_ms(llm) -> float:
-    """Median step time of one greedy request decoding 128 tokens after a 128-token prompt."""
+def _greedy(n: int):
     from paged_runtime import SamplingParams
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def decode_step_ms(llm, batch: int) -> float:
+    """Median wall time of a decode step of ``batch`` greedy requests over DECODE_TOKENS steps, once all their
+    DECODE_PROMPT-token prompts are in the cache (no prefix shared between them). Steps are not synchronized: with asynchronous
+    scheduling a step's host work overlaps the previous step's kernels, as when serving."""
     engine = llm.engine
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [FIRST_ORDINARY_ID] * 32}] * 4, greedy(8), use_tqdm=False)  # compile, warm
-    engine.add_request("b1", {"prompt_token_ids": list(range(FIRST_ORDINARY_ID, FIRST_ORDINARY_ID + 128))},
-                       greedy(129))
-    engine.step()
+    llm.generate([{"prompt_token_ids": [FIRST_ORDINARY_ID] * 32}] * 4, _greedy(8), use_tqdm=False)  # compile, warm
+    for i in range(batch):
+        prompt = [FIRST_ORDINARY_ID + (i + j) % 4096 for j in range(DECODE_PROMPT)]
+        engine.add_request(f"decode-{batch}-{i}", {"prompt_token_ids": prompt}, _greedy(DECODE_TOKENS + 1))
+    while any(r.num_computed_tokens < DECODE_PROMPT for r in engine.core.scheduler.requests.values()):
+        engine.step()
     steps = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -217,30 +261,71 @@ def batch1_step_ms(llm) -> float:
     return 1e3 * float(np.median(steps))
 
 
-def run_runtime(folder: Path, work, max_model_len: int) -> dict:
-    from paged_runtime import LLM, SamplingParams
+def prefill_ms(llm, tokens: int, reps: int = 3) -> float:
+    """Median wall time of one request's ``tokens``-token prompt prefilled (in one step when the step budget
+    holds it) and its first token sampled; each repetition's prompt starts with its own token, so no block of
+    it is a prefix-cache hit. One unmeasured run first (compilation)."""
+    times = []
+    for rep in range(reps + 1):
+        prompt = [FIRST_ORDINARY_ID + rep] + list(range(FIRST_ORDINARY_ID, FIRST_ORDINARY_ID + tokens - 1))
+        _synchronize()
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], _greedy(1), use_tqdm=False)
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times[1:]))
 
-    common = dict(model=str(folder), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256, seed=0)
-    eager = LLM(enforce_eager=True, **common)  # the same step without CUDA graphs
-    eager_ms = batch1_step_ms(eager)
-    del eager
-    _free_gpu()
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_runtime(folder: Path, quantization: str, max_model_len: int, decode_batch: int, prefill_tokens: int,
+                    eager: bool = False, **llm_args) -> dict:
+    """The runtime on ``folder`` (bfloat16 activations; ``quantization`` none or an at-load method such as int4,
+    whose W4A16 layout GPTQ / AWQ / compressed-tensors checkpoints are served in): the bytes a step reads, a
+    batch-1 and a ``decode_batch`` decode step, a ``prefill_tokens`` prefill; with ``eager`` the batch-1 step
+    again without CUDA graphs."""
+    from paged_runtime import LLM
+
+    common = dict(model=str(folder), dtype="bfloat16", quantization=None if quantization == "none" else quantization,
+                  max_model_len=max(max_model_len, prefill_tokens + 1, DECODE_PROMPT + DECODE_TOKENS + 1), max_num_seqs=max(256, decode_batch),
+                  seed=0, **llm_args)
+    out = {"quantization": quantization}
+    if eager:
+        llm = LLM(enforce_eager=True, **common)
+        out["batch1_step_ms_eager"] = decode_step_ms(llm, 1)
+        del llm
+        _free_memory()
     llm = LLM(**common)
+    out["step_weight_bytes"] = step_weight_bytes(llm.engine.core.runner.model)
+    out["attention_backend"] = llm.engine.core.runner.attention_backend
+    out["batch1_step_ms"] = decode_step_ms(llm, 1)
+    out[f"batch{decode_batch}_step_ms"] = decode_step_ms(llm, decode_batch)
+    out[f"prefill{prefill_tokens}_ms"] = prefill_ms(llm, prefill_tokens)
+    del llm
+    _free_memory()
+    return out
+
+
+def mixed_workload(folder: Path, work, max_model_len: int) -> dict:
+    """The runtime (bf16) on the mixed workload, every request submitted at once: output tokens / s."""
+    from paged_runtime import LLM
+
+    llm = LLM(model=str(folder), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256, seed=0)
     engine = llm.engine
-    batch1_ms = batch1_step_ms(llm)
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [FIRST_ORDINARY_ID] * 32}] * 4, _greedy(8), use_tqdm=False)  # compile, warm
     start = time.perf_counter()
     for i, r in enumerate(work):
-        engine.add_request(f"mixed-{i}", {"prompt_token_ids": r.prompt}, greedy(r.output_len))
+        engine.add_request(f"mixed-{i}", {"prompt_token_ids": r.prompt}, _greedy(r.output_len))
     tokens = 0
     while engine.has_unfinished_requests():
         tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
     seconds = time.perf_counter() - start
-    backend = engine.core.runner.attention_backend
     del llm, engine
-    _free_gpu()
-    return {"attention_backend": backend, "batch1_step_ms": batch1_ms, "batch1_step_ms_eager": eager_ms,
-            "requests": len(work), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    _free_memory()
+    return {"requests": len(work), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
 def run_transformers(folder: Path, work, batch_size: int, num_batches: int) -> dict:
@@ -258,7 +343,7 @@ def run_transformers(folder: Path, work, batch_size: int, num_batches: int) -> d
     seconds = time.perf_counter() - start
     tokens = sum(r.output_len for r in sample)  # each request's own tokens; padding rows' extra steps are waste
     del model
-    _free_gpu()
+    _free_memory()
     return {"requests": len(sample), "batch_size": batch_size, "output_tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds}
 
@@ -276,25 +361,34 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
                    min_new_tokens=new_tokens, pad_token_id=0)
 
 
-def _free_gpu() -> None:
+def _free_memory() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def end_to_end(args: argparse.Namespace, copy_bw: float) -> dict:
-    results = {}
+def end_to_end(args: argparse.Namespace, copy_bw: float, save, results: dict) -> None:
+    """Into ``results``, per model of --models: each of --quantizations measured (measure_runtime) with its floor
+    (its step's weight bytes / copy bandwidth); unless --skip-transformers the mixed workload against
+    transformers. Calls ``save()`` after each measurement, so a run cut short keeps what it measured."""
     for key in args.models.split(","):
         folder = random_llama(key, args.model_cache)
-        work = make_workload(args.seed, args.num_requests, 160.0, 340.0, 0.8, args.max_model_len, TOKENIZER_VOCAB)
-        print(f"  {key}: runtime ...", flush=True)
-        runtime = run_runtime(folder, work, args.max_model_len)
-        print(f"  {key}: transformers ...", flush=True)
-        hf = run_transformers(folder, work, args.hf_batch_size, args.hf_batches)
-        floor_ms = 1e3 * weight_bytes(folder) / copy_bw
-        results[key] = {"weight_bytes": weight_bytes(folder), "floor_step_ms": floor_ms, "runtime": runtime,
-                        "transformers": hf, "batch1_step_vs_floor": runtime["batch1_step_ms"] / floor_ms,
-                        "vs_transformers": runtime["tok_s"] / hf["tok_s"]}
-    return results
+        results[key] = model = {"quantizations": {}}
+        for quantization in args.quantizations.split(","):
+            print(f"  {key} {quantization}: runtime ...", flush=True)
+            r = measure_runtime(folder, quantization, args.max_model_len, DECODE_BATCH, PREFILL_TOKENS,
+                                eager=quantization == "none" and not args.skip_eager)
+            r["floor_step_ms"] = 1e3 * r["step_weight_bytes"] / copy_bw
+            r["batch1_step_vs_floor"] = r["batch1_step_ms"] / r["floor_step_ms"]
+            model["quantizations"][quantization] = r
+            save()
+        if not args.skip_transformers:
+            work = make_workload(args.seed, args.num_requests, 160.0, 340.0, 0.8, args.max_model_len, TOKENIZER_VOCAB)
+            print(f"  {key}: mixed workload, runtime and transformers ...", flush=True)
+            model["runtime_mixed"] = mixed_workload(folder, work, args.max_model_len)
+            model["transformers"] = run_transformers(folder, work, args.hf_batch_size, args.hf_batches)
+            model["vs_transformers"] = model["runtime_mixed"]["tok_s"] / model["transformers"]["tok_s"]
+            save()
 
 
 # ---- reporting ------------------------------------------------------------------------
@@ -310,33 +404,70 @@ def print_attention(rows: list[dict], copy_bw: float) -> None:
 
 
 def print_e2e(results: dict) -> None:
-    print("\nend to end (random weights, bf16)")
-    header = (f"{'model':<6}{'b1 step ms':>11}{'eager ms':>9}{'floor ms':>10}{'ratio':>7}{'runtime tok/s':>15}"
-              f"{'HF tok/s':>10}{'x HF':>7}")
+    print(f"\nend to end (random weights, bf16 activations; step times in ms)")
+    header = (f"{'model':<6}{'weights':<8}{'GB read':>8}{'floor':>8}{'b1 step':>9}{'x floor':>8}{'eager':>8}"
+              f"{f'b{DECODE_BATCH} step':>10}{f'prefill {PREFILL_TOKENS}':>14}")
     print(header)
     print("-" * len(header))
-    for key, r in results.items():
-        print(f"{key:<6}{r['runtime']['batch1_step_ms']:>11.2f}{r['runtime']['batch1_step_ms_eager']:>9.2f}"
-              f"{r['floor_step_ms']:>10.2f}"
-              f"{r['batch1_step_vs_floor']:>7.2f}{r['runtime']['tok_s']:>15.0f}{r['transformers']['tok_s']:>10.0f}"
-              f"{r['vs_transformers']:>7.1f}")
+    for key, model in results.items():
+        for quantization, r in model["quantizations"].items():
+            eager = r.get("batch1_step_ms_eager")
+            print(f"{key:<6}{quantization:<8}{r['step_weight_bytes'] / 1e9:>8.2f}{r['floor_step_ms']:>8.2f}"
+                  f"{r['batch1_step_ms']:>9.2f}{r['batch1_step_vs_floor']:>8.2f}"
+                  f"{'-' if eager is None else f'{eager:.2f}':>8}{r[f'batch{DECODE_BATCH}_step_ms']:>10.2f}"
+                  f"{r[f'prefill{PREFILL_TOKENS}_ms']:>14.1f}")
+        if "vs_transformers" in model:
+            print(f"{key:<6}mixed workload: runtime {model['runtime_mixed']['tok_s']:.0f} tok/s, transformers "
+                  f"{model['transformers']['tok_s']:.0f} ({model['vs_transformers']:.1f}x)")
+
+
+def _verdict(value: float, target: float, at_most: bool) -> dict:
+    return {"value": value, "target": f"{'<=' if at_most else '>='} {target}",
+            "met": value <= target if at_most else value >= target}
 
 
 def verdicts(rows: list[dict], e2e: dict) -> dict:
+    """Each target of issue 36 (and issue 6's against transformers) that this run measured: value, target, met."""
     out = {}
-    long_rows = [r for r in rows if r["context"] >= LONG_CONTEXT]
-    if long_rows:
-        worst = min(r["triton_copy_share"] for r in long_rows)
-        target = TARGETS["decode_attention_copy_share"]
-        out["decode_attention_copy_share_min_at_4k+"] = {"value": worst, "target": f">= {target}",
-                                                         "met": worst >= target}
-    for key, r in e2e.items():
-        out[f"{key}_batch1_step_vs_floor"] = {"value": r["batch1_step_vs_floor"],
-                                              "target": f"<= {TARGETS['batch1_step_vs_floor']}",
-                                              "met": r["batch1_step_vs_floor"] <= TARGETS["batch1_step_vs_floor"]}
-        out[f"{key}_vs_transformers"] = {"value": r["vs_transformers"], "target": f">= {TARGETS['vs_transformers']}",
-                                         "met": r["vs_transformers"] >= TARGETS["vs_transformers"]}
+    for least_batch, most_batch, share in ATTENTION_TARGETS:
+        judged = [r for r in rows if r["context"] >= LONG_CONTEXT and least_batch <= r["batch"] <= most_batch]
+        if judged:
+            worst = min(r["triton_copy_share"] for r in judged)
+            span = f"batch_{least_batch}" if least_batch == most_batch else f"batch_{least_batch}+"
+            out[f"decode_attention_copy_share_min_{span}_4k+"] = _verdict(worst, share, at_most=False)
+    for key, model in e2e.items():
+        measured = model["quantizations"]
+        bf16, int4 = measured.get("none"), measured.get("int4")
+        if bf16 is not None and key in STEP_TARGETS:
+            out[f"{key}_bf16_batch1_step_vs_floor"] = _verdict(bf16["batch1_step_vs_floor"], STEP_TARGETS[key], True)
+        if int4 is not None:
+            out[f"{key}_w4a16_batch1_step_vs_floor"] = _verdict(int4["batch1_step_vs_floor"],
+                                                                W4A16_TARGETS["batch1_step_vs_floor"], True)
+        if bf16 is not None and int4 is not None:
+            decode = f"batch{DECODE_BATCH}_step_ms"
+            prefill = f"prefill{PREFILL_TOKENS}_ms"
+            out[f"{key}_w4a16_batch1_speedup"] = _verdict(bf16["batch1_step_ms"] / int4["batch1_step_ms"],
+                                                          W4A16_TARGETS["batch1_speedup"], False)
+            out[f"{key}_w4a16_{decode}_vs_bf16"] = _verdict(int4[decode] / bf16[decode],
+                                                            W4A16_TARGETS["batch_step_vs_bf16"], True)
+            out[f"{key}_w4a16_{prefill}_vs_bf16"] = _verdict(int4[prefill] / bf16[prefill],
+                                                             W4A16_TARGETS["prefill_vs_bf16"], True)
+        if "vs_transformers" in model:
+            out[f"{key}_vs_transformers"] = _verdict(model["vs_transformers"], VS_TRANSFORMERS, False)
     return out
+
+
+def draw_verdicts(plt, checks: dict, card: str):
+    """Each verdict as its value over its target (1 = on the target), green where met."""
+    names = list(checks)
+    ratios = [c["value"] / float(c["target"].split()[1]) for c in checks.values()]
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(names) + 1.2))
+    ax.barh(names, ratios, color=["tab:green" if c["met"] else "tab:red" for c in checks.values()])
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.invert_yaxis()
+    ax.set_xlabel("value / target (<= targets: met left of 1; >= targets: met right of 1)")
+    ax.set_title(f"issue 36 targets on {card}")
+    return fig
 
 
 def main(argv=None) -> int:
@@ -351,19 +482,30 @@ def main(argv=None) -> int:
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
     rows = [] if args.skip_attention else decode_attention(
         [int(c) for c in args.contexts.split(",")], [int(b) for b in args.batches.split(",")], args.kv_gib, copy_bw)
-    e2e = {} if args.skip_e2e else end_to_end(args, copy_bw)
-    if rows:
-        print_attention(rows, copy_bw)
-    if e2e:
-        print_e2e(e2e)
-    checks = verdicts(rows, e2e)
-    for name, c in checks.items():
-        print(f"{name:<42}{c['value']:>8.2f}   target {c['target']:<8} {'met' if c['met'] else 'NOT met'}")
     path = args.out or result_path("kernels")
     record = {"card": card, "machine": machine_info(), "parameters": {k: str(v) for k, v in vars(args).items()},
-              "copy_bandwidth_bytes_s": copy_bw, "decode_attention": rows, "end_to_end": e2e, "verdicts": checks}
-    print(write_results(path, record, indent=1))
+              "copy_bandwidth_bytes_s": copy_bw, "decode_attention": rows, "end_to_end": {}}
+    save = lambda: write_json(path, record, indent=1)  # noqa: E731
+    save()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a run stopped by `timeout` still gives its verdicts
+    try:
+        if not args.skip_e2e:
+            end_to_end(args, copy_bw, save, record["end_to_end"])
+    finally:
+        report(record, rows, copy_bw, card, path)
     return 0
+
+
+def report(record: dict, rows: list[dict], copy_bw: float, card: str, path: Path) -> None:
+    """The tables, each target's verdict, and the JSON with them and their picture."""
+    if rows:
+        print_attention(rows, copy_bw)
+    if record["end_to_end"]:
+        print_e2e(record["end_to_end"])
+    record["verdicts"] = checks = verdicts(rows, record["end_to_end"])
+    for name, c in checks.items():
+        print(f"{name:<48}{c['value']:>8.2f}   target {c['target']:<8} {'met' if c['met'] else 'NOT met'}")
+    print(write_results(path, record, draw_verdicts if checks else None, checks, card, indent=1))
 
 
 if __name__ == "__main__":
