@@ -10,6 +10,8 @@
 #   gemm      benchmarks/quant_gemm.py: the W8A16 / W4A16 / GGUF GEMMs on 8B's linears against bf16 and the floor
 #   profile   benchmarks/profile_step.py --model 1b at batch 1 and 64: syncs, kernels, device busy and idle a step
 #   tests     pytest tests/kernels on the GPU (the CPU runs them in Triton's interpreter)
+#   quantized pytest tests/e2e/test_prequantized.py on the GPU: FP8 through _scaled_mm within the CPU's logprob
+#             bounds; GPTQ / AWQ / compressed-tensors checkpoints through the Triton GEMMs give their weights' tokens
 #   fidelity  .gpu/check_fidelity.py: Triton kernels and CUDA graphs against transformers, float32 token-identical
 # A step starts only with at least its minimum seconds of BUDGET left, and is stopped at its share.
 set -u
@@ -46,7 +48,7 @@ step() {
   echo "   exit $? after $(( $(date +%s) - T0 )) s"; grep -v "Loading weights\|Writing model" "$OUT/$name.log" | tail -25
 }
 
-for s in ${STEPS:-targets gemm profile tests fidelity}; do
+for s in ${STEPS:-targets gemm profile tests quantized fidelity}; do
   case $s in
     targets) step targets 150 330 python3 benchmarks/kernels.py --models 1b,8b --skip-transformers \
                --contexts 4096,16384 --batches 1,8,64,256 --out "$OUT/kernels.json" ;;
@@ -54,6 +56,7 @@ for s in ${STEPS:-targets gemm profile tests fidelity}; do
     profile) step profile_b1 30 60 python3 benchmarks/profile_step.py --model 1b --batch 1 --context 128
              step profile_b64 30 60 python3 benchmarks/profile_step.py --model 1b --batch 64 --context 128 ;;
     tests) step tests 60 180 python3 -m pytest -q tests/kernels -p no:cacheprovider ;;
+    quantized) step quantized 40 90 python3 -m pytest -q tests/e2e/test_prequantized.py -p no:cacheprovider ;;
     fidelity) step fidelity 60 120 python3 .gpu/check_fidelity.py ;;
     *) echo "unknown step $s" ;;
   esac

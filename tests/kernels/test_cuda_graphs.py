@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.conftest import assert_idle, make_llm
 from paged_runtime import SamplingParams
@@ -39,14 +40,37 @@ def test_capture_ladder():
     assert capture_sizes(1000) == capture_sizes(256)  # capped, each size once
 
 
-def test_graph_replay_matches_eager_steps(tiny_llama_dir, monkeypatch):
-    common = dict(attention_backend="triton", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=6, kv_cache_memory=2**20)
+def test_graph_replay_matches_eager_steps(tiny_llama_dir):
+    assert_replay_matches_eager(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("quantization, op", [("int4", "w4a16_linear"), ("int8", "w8a16_linear")])
+def test_graph_replay_of_quantized_weights_matches_eager_steps(tiny_llama_dir, monkeypatch, quantization, op):
+    """The weight-only Triton GEMMs (W4A16, W8A16) are captured with the decode step: replayed steps give the
+    eager steps' tokens. Without a GPU ``triton_applies`` is forced, so they run interpreted in both."""
+    from paged_runtime.kernels import triton_ops
+    from paged_runtime.layers.quantization import int4, int8
+    interpreted = not torch.cuda.is_available()
+    if interpreted:
+        for module in (int4, int8):
+            monkeypatch.setattr(module, "triton_applies", lambda x: True)
+    calls, real = [], getattr(triton_ops, op)
+    monkeypatch.setattr(triton_ops, op, lambda *args: calls.append(op) or real(*args))
+    assert_replay_matches_eager(tiny_llama_dir, quantization=quantization)
+    assert calls, f"{quantization} layers multiplied through {op}" + (" (interpreted)" if interpreted else "")
+
+
+def assert_replay_matches_eager(folder, **llm_args) -> None:
+    """The workload's greedy tokens from eager steps and from steps replayed from captured graphs (padded to 6
+    and 4 rows, and at an exact size) are the same."""
+    common = dict(attention_backend="triton", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=6,
+                  kv_cache_memory=2**20, **llm_args)
     prompts, params = workload()
-    eager = make_llm(tiny_llama_dir, enforce_eager=True, **common)
+    eager = make_llm(folder, enforce_eager=True, **common)
     assert eager.engine.core.runner.graphs is None
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
-    llm = make_llm(tiny_llama_dir, **common)
+    llm = make_llm(folder, **common)
     runner = llm.engine.core.runner
     if runner.graphs is None:  # no GPU: graphs over the interpreter with the stand-in capture
         assert runner.device.type == "cpu"
