@@ -26,8 +26,6 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import cbor2
-
 logger = logging.getLogger(__name__)
 
 
@@ -36,6 +34,7 @@ def sha256(value: Any) -> bytes:
 
 
 def sha256_cbor(value: Any) -> bytes:
+    import cbor2  # here, not at the top: only this algorithm needs it (an image without cbor2 still serves sha256)
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -152,6 +154,18 @@ def computed(kv: KVCacheManager, request: Request) -> Request:
     request.num_computed_tokens = request.num_tokens
     kv.cache_computed_blocks(request)
     return request
+
+
+def test_the_default_hash_needs_no_cbor2():
+    """cbor2 serves sha256_cbor alone: without it the runtime imports and hashes with sha256 (the GPU machines'
+    image lacks it), and sha256_cbor names it."""
+    code = ("import sys; sys.modules['cbor2'] = None\n"
+            "import paged_runtime, paged_runtime.core.kv_cache_manager\n"
+            "from paged_runtime.core.block_hash import BlockHasher\n"
+            "assert len(BlockHasher('sha256', '0')(None, [1, 2], None)) == 32\n"
+            "try:\n    BlockHasher('sha256_cbor', '0')\nexcept ModuleNotFoundError as e:\n    print(e.name)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "cbor2\n"), out.stderr
 
 
 def test_stores_evictions_and_a_reset_are_recorded_in_order():
