@@ -6,7 +6,7 @@ prompts of ``--context`` tokens, then times ``--steps`` decode steps and profile
 tok/s, the top operators by self CPU time and, on CUDA, per step: the host syncs (stream, device and event
 synchronizations: the runner's one sanctioned read is an event wait, so counting stream syncs alone would show
 0), the kernels and copies launched, the device's busy time and the rest of the step (the device idle, waiting
-on the host); writes benchmarks/results/profile_step-<device>.json (a batch, context or model other than the defaults 128, 300 and
+on the host: approximate, the profiled steps' busy time from the timed steps' mean); writes benchmarks/results/profile_step-<device>.json (a batch, context or model other than the defaults 128, 300 and
 SmolLM2 is named: profile_step-b1-cpu.json, profile_step-b1_c1000-cpu.json, profile_step-1b_b1-h100.json).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_step.py --batch 128 --context 300

@@ -47,7 +47,8 @@ def test_graph_replay_matches_eager_steps(tiny_llama_dir):
 @pytest.mark.parametrize("quantization, op", [("int4", "w4a16_linear"), ("int8", "w8a16_linear")])
 def test_graph_replay_of_quantized_weights_matches_eager_steps(tiny_llama_dir, monkeypatch, quantization, op):
     """The weight-only Triton GEMMs (W4A16, W8A16) are captured with the decode step: replayed steps give the
-    eager steps' tokens. Without a GPU ``triton_applies`` is forced, so they run interpreted in both."""
+    eager steps' tokens, which the op computed (``calls``; a replay on a GPU runs no Python, so the tokens are
+    the evidence the graphs hold it). Without a GPU ``triton_applies`` is forced, so they run interpreted."""
     from paged_runtime.kernels import triton_ops
     from paged_runtime.layers.quantization import int4, int8
     interpreted = not torch.cuda.is_available()

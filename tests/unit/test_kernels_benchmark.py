@@ -57,34 +57,64 @@ def test_int4_weights_count_their_codes_and_group_scales(tiny_llama_dir):
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_the_end_to_end_measurements_run_through(tiny_llama_dir, quantization):
     out = measure_runtime(tiny_llama_dir, quantization, max_model_len=64, decode_batch=3, prefill_tokens=40,
-                          eager=quantization == "none", kv_cache_memory=2**24)
-    keys = {"quantization", "step_weight_bytes", "attention_backend", "batch1_step_ms", "batch3_step_ms",
-            "prefill40_ms"} | ({"batch1_step_ms_eager"} if quantization == "none" else set())
+                          copy_bw=1e10, eager=quantization == "none", kv_cache_memory=2**24)
+    keys = {"quantization", "step_weight_bytes", "floor_step_ms", "attention_backend", "batch1_step_ms",
+            "batch1_step_vs_floor", "batch3_step_ms", "prefill40_ms"} | (
+        {"batch1_step_ms_eager"} if quantization == "none" else set())
     assert set(out) == keys and out["quantization"] == quantization
+    assert out["floor_step_ms"] == 1e3 * out["step_weight_bytes"] / 1e10
+    assert out["batch1_step_vs_floor"] == out["batch1_step_ms"] / out["floor_step_ms"]
     assert all(out[k] > 0 for k in keys - {"quantization", "attention_backend"})
 
 
-def test_end_to_end_saves_after_each_measurement_and_reports_each(tiny_llama_dir, monkeypatch, capsys,
-                                                                   tmp_path):
+def test_the_random_model_is_built_and_saved_once(tmp_path, monkeypatch):
+    """random_llama on the CPU with a tiny shape: a loadable folder with SmolLM2's tokenizer; a second call
+    finds it."""
+    monkeypatch.setitem(kernels.LLAMA_CONFIGS, "tiny", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, tie_word_embeddings=True))
+    folder = kernels.random_llama("tiny", tmp_path, device="cpu")
+    assert (folder / "tokenizer.json").exists() and kernels.weight_bytes(folder) > 0
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert kernels.random_llama("tiny", tmp_path, device="cpu") == folder
+    assert (folder / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_end_to_end_saves_after_each_figure_and_reports_each(tiny_llama_dir, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(kernels, "random_llama", lambda key, cache_dir: tiny_llama_dir)
     monkeypatch.setattr(kernels, "DECODE_BATCH", 2)
     monkeypatch.setattr(kernels, "PREFILL_TOKENS", 30)
-    args = kernels.parse_args(["--models", "tiny", "--skip-transformers", "--skip-eager",
-                                "--max-model-len", "300"])
+    args = kernels.parse_args(["--models", "tiny,other", "--quantized-models", "tiny", "--skip-transformers",
+                               "--skip-eager", "--max-model-len", "300"])
     results, saved = {}, []
-    kernels.end_to_end(args, 1e10, lambda: saved.append({k: set(v["quantizations"]) for k, v in results.items()}),
-                       results)
-    assert saved == [{"tiny": {"none"}}, {"tiny": {"none", "int4"}}]
-    none, int4 = results["tiny"]["quantizations"]["none"], results["tiny"]["quantizations"]["int4"]
-    assert none["floor_step_ms"] == 1e3 * none["step_weight_bytes"] / 1e10
-    assert int4["step_weight_bytes"] < none["step_weight_bytes"]
+    kernels.end_to_end(args, 1e10, lambda: saved.append(
+        {key: {q: len(r) for q, r in model["quantizations"].items()} for key, model in results.items()}), results)
+    # each model's bf16 and (tiny only) int4 runs, each saved after its name, weights and floor, batch-1 step,
+    # 2-row step and prefill
+    per_run = [1, 4, 6, 7, 8]
+    assert saved == ([{"tiny": {"none": n}} for n in per_run]
+                     + [{"tiny": {"none": 8, "int4": n}} for n in per_run]
+                     + [{"tiny": {"none": 8, "int4": 8}, "other": {"none": n}} for n in per_run])
+    assert results["tiny"]["checkpoint_bytes"] == kernels.weight_bytes(tiny_llama_dir)
     record = {"end_to_end": results}
     kernels.report(record, [], 1e10, "test card", tmp_path / "kernels.json")
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[:2] for line in lines if line.startswith("tiny ")] == [["tiny", "none"], ["tiny", "int4"]]
+    assert [line.split()[:2] for line in lines if line.startswith(("tiny ", "other "))] == [
+        ["tiny", "none"], ["tiny", "int4"], ["other", "none"]]
     written = json.loads((tmp_path / "kernels.json").read_text())
     assert set(written["verdicts"]) == {"tiny_w4a16_batch1_step_vs_floor", "tiny_w4a16_batch1_speedup",
                                         "tiny_w4a16_batch2_step_ms_vs_bf16", "tiny_w4a16_prefill30_ms_vs_bf16"}
+
+
+def test_a_run_stopped_midway_reports_what_it_measured(capsys, tmp_path):
+    """Stopped after int4's batch-1 step: its floor ratio and speedup are judged, the figures it lacks are not."""
+    e2e = {"8b": {"quantizations": {"none": model_run(b1=6.0, floor=5.0, batch=20.0, prefill=100.0),
+                                    "int4": {"quantization": "int4", "step_weight_bytes": 1.5e9, "floor_step_ms": 1.5,
+                                             "batch1_step_ms": 2.0, "batch1_step_vs_floor": 2.0 / 1.5}}}}
+    kernels.report({"end_to_end": e2e}, [], 1e12, "test card", tmp_path / "kernels.json")
+    assert set(json.loads((tmp_path / "kernels.json").read_text())["verdicts"]) == {
+        "8b_bf16_batch1_step_vs_floor", "8b_w4a16_batch1_step_vs_floor", "8b_w4a16_batch1_speedup"}
+    assert "8b    int4        1.50    1.50     2.00    1.33       -         -             -" in capsys.readouterr().out
 
 
 def attention_row(batch: int, context: int, share: float) -> dict:
@@ -92,7 +122,7 @@ def attention_row(batch: int, context: int, share: float) -> dict:
 
 
 def model_run(b1: float, floor: float, batch: float, prefill: float) -> dict:
-    return {"batch1_step_ms": b1, "floor_step_ms": floor, "batch1_step_vs_floor": b1 / floor,
+    return {"step_weight_bytes": floor * 1e9, "batch1_step_ms": b1, "floor_step_ms": floor, "batch1_step_vs_floor": b1 / floor,
             f"batch{DECODE_BATCH}_step_ms": batch, f"prefill{PREFILL_TOKENS}_ms": prefill}
 
 
