@@ -21,8 +21,9 @@ from paged_runtime.kernels import kv_quant
 
 
 # Adding then subtracting 1.5 * 2^23 rounds an fp32 of magnitude < 2^22 to the nearest integer, ties to even
-# (fp32's own rounding), as torch.round does; no rint needed (the interpreter lacks libdevice).
-_ROUND_MAGIC = 12582912.0
+# (fp32's own rounding), as torch.round does; no rint needed (the interpreter lacks libdevice). A tl.constexpr:
+# the compiler refuses any other global (the interpreter does not; tests/kernels/test_compiles_for_gpus.py).
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
