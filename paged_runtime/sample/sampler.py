@@ -32,7 +32,6 @@ into dense (or, for penalties, sparse) tensors once per step by the model runner
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +55,7 @@ class Penalties:
 class SamplingMetadata:
     temperature: torch.Tensor  # [N] float32, 0 = greedy
     all_greedy: bool
-    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+    generators: list[torch.Generator | None]  # per row: a seeded row's host generator; None = the engine's generator
     top_k: torch.Tensor | None = None  # [N] int64, vocab size = off
     top_p: torch.Tensor | None = None  # [N] float32, 1 = off
     min_p: torch.Tensor | None = None  # [N] float32, 0 = off
@@ -215,9 +214,6 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
         self._scratch = torch.Generator(device=generator.device)  # reseeded per seeded row per step
-        # A seeded request's generator on the device would need a device read per draw: its seeds come from
-        # a CPU twin seeded alike (a CPU generator is its own twin, so the CPU path draws as it always did).
-        self._host_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         source = logits
@@ -265,15 +261,8 @@ class Sampler:
         return tokens
 
     def _seed(self, generator: torch.Generator | None) -> int | None:
-        """A seeded row's one draw from its own generator this step (on the host: no device read)."""
-        if generator is None:
-            return None
-        twin = generator
-        if generator.device.type != "cpu":
-            twin = self._host_twins.get(generator)
-            if twin is None:
-                twin = self._host_twins[generator] = torch.Generator().manual_seed(generator.initial_seed())
-        return int(torch.randint(2**62, (1,), generator=twin))
+        """A seeded row's one draw from its own host generator this step (no device read)."""
+        return None if generator is None else int(torch.randint(2**62, (1,), generator=generator))
 
     def _sample(self, rows: _Rows, host: HostRows, vocab: int) -> torch.Tensor:
         tokens = torch.empty(rows.logits.shape[0], dtype=torch.long, device=rows.logits.device)

@@ -55,7 +55,7 @@ class CachedRequest:
     num_prompt_tokens: int
     params: SamplingParams
     eos_token_ids: frozenset[int]
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # a seeded sampled request's, on the device (the speculative paths draw from it)
     output_counts: OutputCounts | None  # only when the request has penalties
     grammar: RequestGrammar | None = None  # only when the request's output is constrained
     blocked: torch.Tensor | None = None  # [V] bool on the device, True off allowed_token_ids; None: no such list
@@ -64,6 +64,9 @@ class CachedRequest:
     # the prompt's last chunk
     pool_partial: torch.Tensor | None = None
     lora_id: int = 0  # the adapter its rows run with (0: the base model)
+    # The sampler's per-step seed of a seeded row: a CPU generator seeded as ``generator`` (that one itself on the
+    # CPU), so a step draws it without a device read.
+    host_generator: torch.Generator | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -118,14 +121,18 @@ class RequestStates:
     def add(self, new: NewRequestData) -> CachedRequest:
         """The runner's state of a new request; raises, taking no row, if its parameters cannot be set up."""
         p = new.params
-        generator = None
+        generator = host_generator = None
         if p.seed is not None and not p.greedy:  # a forked child i draws from seed + i (wrapped, never overflows)
-            generator = torch.Generator(device=self.device).manual_seed(sequence_seed(p.seed, new.index))
+            seed = sequence_seed(p.seed, new.index)
+            generator = host_generator = torch.Generator(device=self.device).manual_seed(seed)
+            if self.device.type != "cpu":
+                host_generator = torch.Generator().manual_seed(seed)
         counts = OutputCounts() if p.has_penalties else None
         state = CachedRequest(new.request_id, -1, [], new.num_prompt_tokens, p, new.eos_token_ids, generator, counts,
                               grammar=self._grammar(p), blocked=self._blocked(p.allowed_token_ids),
                               pooling=new.pooling,
-                              lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0)
+                              lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
+                              host_generator=host_generator)
         if counts is not None:
             for token_id in dict.fromkeys(new.token_ids[:new.num_prompt_tokens]):
                 counts.add(token_id, 0)

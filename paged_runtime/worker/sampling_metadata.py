@@ -47,7 +47,7 @@ def build_sampling_metadata(requests: list[CachedRequest], states: RequestStates
         arrays["logprob_rows"] = np.array(asked, np.int64)
     present = {name: a for name, a in arrays.items() if a is not None}
     t = dict(zip(present, to_device(states.device, *present.values())))
-    meta = SamplingMetadata(t["temperature"], all_greedy, [r.generator for r in requests], top_k=t.get("top_k"),
+    meta = SamplingMetadata(t["temperature"], all_greedy, [r.host_generator for r in requests], top_k=t.get("top_k"),
                             top_p=t.get("top_p"), min_p=t.get("min_p"), logprob_rows=t.get("logprob_rows"), host=host)
     if limited:
         meta.allowed = (t["allowed_rows"], torch.stack([requests[i].blocked for i in limited]))

@@ -80,3 +80,40 @@ def test_a_request_that_cannot_be_set_up_takes_no_row_and_retain_drops_the_rest(
     assert states.retain({"b"}) == ["a"]
     states.check_invariants()
     assert set(states.requests) == {"b"} and states.add(new_request("c", [7])).row == 0
+
+
+class DeviceGenerator:
+    """A CUDA generator as torch 2.11 made them: no weak references (what the sampler's table of host twins,
+    keyed weakly by device generator, died of on an H100)."""
+    __slots__ = ("device", "seed")
+
+    def __init__(self, device) -> None:
+        self.device, self.seed = torch.device(device), None
+
+    def manual_seed(self, seed: int) -> "DeviceGenerator":
+        self.seed = seed
+        return self
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+
+def test_a_seeded_request_on_a_gpu_draws_its_seeds_from_a_host_generator_seeded_alike(monkeypatch):
+    """The device generator serves the speculative paths; the sampler's per-step seed comes from a CPU
+    generator made with the same seed when the request arrives (no device read, no table of twins)."""
+    from paged_runtime.sampling_params import sequence_seed
+    real = torch.Generator
+    monkeypatch.setattr(torch, "Generator", lambda device="cpu": real() if torch.device(device).type == "cpu"
+                        else DeviceGenerator(device))
+    states = RequestStates(8, 100, torch.device("cuda"))
+    sibling = states.add(NewRequestData("s", [5], 1, SamplingParams(n=2, seed=7, temperature=1.0), 1, frozenset()))
+    assert isinstance(sibling.generator, DeviceGenerator) and sibling.generator.seed == sequence_seed(7, 1)
+    host = sibling.host_generator
+    assert host.device.type == "cpu" and host.initial_seed() == sequence_seed(7, 1)
+    greedy = states.add(new_request("g", [5], seed=7, temperature=0.0))
+    assert greedy.generator is None and greedy.host_generator is None  # greedy rows draw nothing
+
+
+def test_on_the_cpu_the_request_generator_is_its_own_host_generator():
+    state = RequestStates(8, 100, torch.device("cpu")).add(new_request("a", [5], seed=3, temperature=1.0))
+    assert state.host_generator is state.generator and state.generator.initial_seed() == 3
