@@ -7,7 +7,8 @@ is not a ``tl.constexpr``, a dot too small for the tensor cores, ...): without t
 on a GPU.
 
 Run in a fresh process (the kernel modules must be defined compiled, not interpreted):
-``python -m tests.helpers.gpu_compile 90`` prints one JSON object, launch -> "ok" or the compiler's error.
+``python -m tests.helpers.gpu_compile 90`` prints one JSON object, launch -> "ok", the compiler's error, or
+the shared memory it needs beyond the architecture's limit.
 Written against Triton 3.9's ``JITFunction`` (``_pack_args``, ``create_function_from_signature``).
 """
 from __future__ import annotations
@@ -27,6 +28,9 @@ from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 RESULTS: dict[str, str] = {}
+# The most shared memory one block may use, by architecture (CUDA's opt-in maximum): a kernel over it compiles
+# but fails at launch ("out of resources").
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 def compile_instead_of_launching(target: GPUTarget) -> None:
@@ -45,8 +49,9 @@ def compile_instead_of_launching(target: GPUTarget) -> None:
         named = ",".join(f"{self.params[path[0]].name}={value}" for path, value in constexprs.items())
         label = f"{self.fn.__name__}[{pointers}]({named})"
         try:
-            compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
-            RESULTS[label] = "ok"
+            kernel = compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
+            shared, limit = kernel.metadata.shared, SHARED_LIMIT[target.arch]
+            RESULTS[label] = "ok" if shared <= limit else f"shared memory {shared} bytes > sm_{target.arch}'s {limit}"
         except Exception as e:  # noqa: BLE001: every compiler error is a result
             while e.__cause__ is not None:  # an error in a called @jit function: its own is the one that says why
                 e = e.__cause__
