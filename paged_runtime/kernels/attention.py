@@ -33,7 +33,8 @@ The numbering never overlaps, and its end ``T // BLOCK_Q + B`` depends on shapes
 so the grid is sized without reading device tensors (no host sync, fixed for a fixed
 batch shape). A program finds its sequence by binary search over ``query_start_loc``.
 
-An 8-bit cache (``QUANT``: 1 fp8 with per-tensor (k_scale, v_scale), 2 int8 with a
+An 8-bit cache (``QUANT``: 1 fp8 with per-tensor (k_scale, v_scale), 3 the same as e4m3 bits where Triton
+has no float8_e4m3fn (Ampere), 2 int8 with a
 ``[num_slots, 2, Hkv]`` float32 scale per key and value row; ``kernels.kv_quant``) is read back as
 value * scale in fp32 (int8: the scale rounded to q's dtype first), rounded to q's dtype: what the
 torch backend's gather gives.
@@ -80,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_runtime.kernels.store_kv import quant_mode
+from paged_runtime.kernels.store_kv import kernel_view, quant_mode
 
 # Tile shapes (see tile_shape): keys per inner-loop step, warps and software-pipeline stages.
 PREFILL_TILE_N = 32
@@ -134,6 +135,21 @@ def tile_shape(head_dim: int, max_query_len: int, element_size: int = 2) -> tupl
     row_bytes = triton.next_power_of_2(head_dim) * element_size
     tile_n = next(n for limit, n in DECODE_TILE_N if row_bytes <= limit)
     return tile_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
+
+
+@triton.jit
+def _fp8_value(x, QUANT: tl.constexpr):
+    """fp32 of an fp8 cache tile: a float8_e4m3fn load converted (QUANT 1), or its e4m3 bits (uint8, QUANT 3)
+    decoded: normals 2^(e-7) * (1 + m/8), subnormals m * 2^-9 (no NaN: the store never writes one)."""
+    if QUANT == 1:
+        value = x.to(tl.float32)
+    else:
+        bits = x.to(tl.int32)
+        size = bits & 0x7F
+        normal = ((((size >> 3) + 120) << 23) | ((size & 7) << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(size < 8, (size & 7).to(tl.float32) * 0.001953125, normal)
+        value = tl.where(bits >= 128, -value, value)
+    return value
 
 
 @triton.jit
@@ -215,9 +231,9 @@ def _paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(kv_row, mask=kv_mask, other=0.0)
         v = tl.load(kv_row + stride_c_kv, mask=kv_mask, other=0.0)
-        if QUANT == 1:
-            k = (k.to(tl.float32) * tl.load(kv_scale_ptr)).to(q_ptr.dtype.element_ty)
-            v = (v.to(tl.float32) * tl.load(kv_scale_ptr + 1)).to(q_ptr.dtype.element_ty)
+        if QUANT == 1 or QUANT == 3:
+            k = (_fp8_value(k, QUANT) * tl.load(kv_scale_ptr)).to(q_ptr.dtype.element_ty)
+            v = (_fp8_value(v, QUANT) * tl.load(kv_scale_ptr + 1)).to(q_ptr.dtype.element_ty)
         elif QUANT == 2:
             scale_row = kv_scale_ptr + slot * stride_s_slot + kv_head
             k_scale = tl.load(scale_row, mask=key_ok, other=0.0)
@@ -333,7 +349,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         part_acc = part_max = part_sum = out  # unused: the SPLIT branch is compiled out
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, out, kv_cache, query_start_loc, seq_lens, block_tables,
+        q, out, kernel_view(kv_cache, quant), query_start_loc, seq_lens, block_tables,
         part_acc, part_max, part_sum, scales,
         scale * 1.4426950408889634, num_seqs, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -13,6 +13,8 @@ Grid: one program per token, each moving all of that token's KV heads.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,13 +41,29 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def _e4m3_bits(x):
+    """The e4m3 bit pattern (uint8) of an fp32 that is an e4m3 value already (``_round_to_e4m3``'s): the sign,
+    4 exponent bits biased by 7 and 3 mantissa bits; below 2^-6 the subnormals, m * 2^-9 (a zero keeps its
+    sign, as torch's cast). For a GPU whose Triton has no float8_e4m3fn (``fp8_native``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    size = tl.abs(x)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    subnormal = (size * 512.0).to(tl.int32)  # exact: a multiple of 2^-9 below 2^-6
+    return (sign | tl.where(size < 0.015625, subnormal, normal)).to(tl.uint8)
+
+
+@triton.jit
 def _quantize(x, scale_ptr, slot, stride_s_slot, stride_s_kv, KV: tl.constexpr, head, head_ok,
               QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     """x [HEADS_P, HEAD_DIM_P] (K if KV == 0, else V) in the cache's terms; int8 also stores its scales."""
     x = x.to(tl.float32)
-    if QUANT == 1:  # fp8: per-tensor scale
+    if QUANT == 1 or QUANT == 3:  # fp8: per-tensor scale
         x = x / tl.load(scale_ptr + KV)
-        return _round_to_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+        if QUANT == 3:  # the bits as a number (every return is fp32): the store's cast to uint8 keeps them
+            x = _e4m3_bits(x).to(tl.float32)
+        return x
     scale = tl.max(tl.abs(x), axis=1) / 127.0  # int8: per head
     tl.store(scale_ptr + slot * stride_s_slot + KV * stride_s_kv + head, scale, mask=head_ok)
     safe = tl.where(scale > 0, scale, 1.0)
@@ -79,9 +97,25 @@ def _store_kv_kernel(
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton loads and stores float8_e4m3fn on ``device``: a GPU of compute capability 8.9 on (Ada,
+    Hopper) and the interpreter; not Ampere (sm_80 / sm_86), where an fp8 cache goes through the kernels as its
+    bits (QUANT 3), the same values."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def quant_mode(kv_cache: torch.Tensor) -> int:
-    """The kernels' QUANT constant: 0 the model's dtype, 1 fp8 (per-tensor scales), 2 int8 (per token and head)."""
-    return {torch.float8_e4m3fn: 1, torch.int8: 2}.get(kv_cache.dtype, 0)
+    """The kernels' QUANT constant: 0 the model's dtype, 1 fp8 (per-tensor scales), 2 int8 (per token and head),
+    3 fp8 as its e4m3 bits (uint8), where Triton has no float8_e4m3fn (``fp8_native``)."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return 1 if fp8_native(kv_cache.device) else 3
+    return 2 if kv_cache.dtype == torch.int8 else 0
+
+
+def kernel_view(kv_cache: torch.Tensor, quant: int) -> torch.Tensor:
+    """The cache as the kernels take it: an fp8 one as uint8 bits under QUANT 3 (same bytes, no copy)."""
+    return kv_cache.view(torch.uint8) if quant == 3 else kv_cache
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -98,7 +132,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     scale = kv_scale if quant else kv_cache
     per_slot = quant == 2
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping, scale,
+        k, v, kernel_view(kv_cache, quant), slot_mapping, scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         scale.stride(0) if per_slot else 0, scale.stride(1) if per_slot else 0,

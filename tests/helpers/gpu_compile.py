@@ -108,6 +108,9 @@ def _attention(attention, q, cache, **kwargs) -> None:
 
 
 if __name__ == "__main__":
-    compile_instead_of_launching(GPUTarget("cuda", int(sys.argv[1]), 32))
+    from paged_runtime.kernels import store_kv
+    arch = int(sys.argv[1])
+    compile_instead_of_launching(GPUTarget("cuda", arch, 32))
+    store_kv.fp8_native = lambda device: arch >= 89  # the wrappers choose as they would on that GPU
     launch_everything()
     print(json.dumps(RESULTS, indent=1))
