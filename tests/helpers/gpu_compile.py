@@ -21,7 +21,6 @@ import torch
 
 assert not os.environ.get("TRITON_INTERPRET"), "the kernels must be defined compiled: unset TRITON_INTERPRET"
 
-import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
